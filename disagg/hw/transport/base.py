@@ -1,0 +1,105 @@
+"""The one transport interface that the tcp, cuda and verbs wires implement.
+
+A wire moves bytes one way: a sender posts writes from its registered regions into a peer's
+registered regions; the last write of each posted unit may carry a 32-bit immediate, which the
+receiver sees once every byte of that unit (and of every unit posted before it to the same peer)
+has landed. This is RDMA WRITE / WRITE_WITH_IMM semantics on a reliable connection, and the
+tcp and cuda wires reproduce it.
+
+Lifecycle on each side:
+    wire = make_transport(...)
+    desc = wire.register("kv.layer0", buffer)      # -> Descriptor, sent to the peer
+    wire.connect(peer_name, peer_info)              # peer_info from the peer's local_info()
+    wire.post(peer_name, units, wr_id)              # sender
+    wire.poll() -> Polled(completions, immediates)  # both sides
+    wire.close()
+Descriptors and `local_info()` are plain JSON-able dicts carried by the control plane.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What a peer needs to write into a registered region (JSON-able via `to_dict`)."""
+
+    wire: str
+    region: str
+    nbytes: int
+    info: dict[str, Any] = field(default_factory=dict)  # rkey/address, IPC handle, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"wire": self.wire, "region": self.region, "nbytes": self.nbytes, "info": self.info}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Descriptor:
+        return Descriptor(d["wire"], d["region"], int(d["nbytes"]), dict(d.get("info", {})))
+
+
+@dataclass(frozen=True)
+class Write:
+    """Copy `nbytes` from local region `src` at `src_offset` to the peer's region `dst`."""
+
+    src: str
+    src_offset: int
+    dst: str
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Writes posted together; `imm` (if not None) rides on the last one."""
+
+    writes: Sequence[Write]
+    imm: int | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A posted batch (identified by the sender's `wr_id`) finished, or failed with `error`."""
+
+    wr_id: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class Polled:
+    completions: list[Completion] = field(default_factory=list)
+    immediates: list[int] = field(default_factory=list)
+
+
+class Transport(ABC):
+    """One endpoint of a wire. Not thread-safe unless a subclass says so."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def register(self, region: str, buffer: Any) -> Descriptor:
+        """Register memory (bytearray/numpy/torch tensor, per wire) under a region name."""
+
+    @abstractmethod
+    def local_info(self) -> dict[str, Any]:
+        """Connection data a peer passes to `connect` (address, QP numbers, ...)."""
+
+    @abstractmethod
+    def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
+        """Connect to `peer` and learn the peer's registered regions."""
+
+    @abstractmethod
+    def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
+        """Queue units of writes to `peer`; one Completion with `wr_id` reports them all."""
+
+    @abstractmethod
+    def poll(self) -> Polled:
+        """Completions of posted batches and immediates received since the last poll."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and registrations; idempotent."""

@@ -1,0 +1,222 @@
+"""Model catalogue: public shapes and the figures derived from them.
+
+Every derived figure (parameters, KV bytes, FLOPs) is a property so that a test can check it
+against hand arithmetic. Counts are in elements or bytes; FLOPs count a multiply-add as two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from disagg.errors import ConfigError
+
+Attention = Literal["gqa", "mla"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (bf16, fp16, fp8, fp32)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of a decoder-only transformer.
+
+    GQA models use `heads`, `kv_heads`, `head_dim`. MLA models (DeepSeek-V3/R1) cache one latent
+    vector of `kv_lora_rank + qk_rope_dim` elements per token and layer, shared by all heads.
+    MoE layers hold `experts` routed experts of width `moe_intermediate`, `experts_per_token` of
+    them active, plus `shared_experts` always-active ones; the first `dense_layers` layers use a
+    dense MLP of width `intermediate`.
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    attention: Attention = "gqa"
+    kv_heads: int = 0
+    # MLA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # MoE
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_intermediate: int = 0
+    dense_layers: int = 0
+    # multi-token prediction modules (DeepSeek-V3's MTP)
+    mtp_layers: int = 0
+
+    # ---- structure -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def kv_shardable_heads(self) -> int:
+        """Heads a TP group can split the KV cache over (1 for MLA: the latent is replicated)."""
+        return 1 if self.attention == "mla" else self.kv_heads
+
+    # ---- KV cache --------------------------------------------------------------------
+    @property
+    def kv_elems_per_token_per_layer(self) -> int:
+        """Cached elements per token per layer: 2*kv_heads*head_dim (K and V) or the MLA latent."""
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.qk_rope_dim
+        return 2 * self.kv_heads * self.head_dim
+
+    def kv_bytes_per_token_per_layer(self, kv_dtype: str = "bf16") -> int:
+        return self.kv_elems_per_token_per_layer * dtype_bytes(kv_dtype)
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
+        """KV bytes per token over all layers (one full replica)."""
+        return self.layers * self.kv_bytes_per_token_per_layer(kv_dtype)
+
+    # ---- parameters ------------------------------------------------------------------
+    @property
+    def attn_params_per_layer(self) -> int:
+        h = self.hidden
+        if self.attention == "mla":
+            qk = self.qk_nope_dim + self.qk_rope_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank \
+                else h * self.heads * qk
+            kv_a = h * (self.kv_lora_rank + self.qk_rope_dim)
+            kv_b = self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
+            o = self.heads * self.v_head_dim * h
+            return q + kv_a + kv_b + o
+        return h * self.heads * self.head_dim * 2 + h * self.kv_heads * self.head_dim * 2
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """SwiGLU: gate, up and down projections."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def mlp_params_per_moe_layer(self) -> int:
+        router = self.hidden * self.experts
+        return (self.experts + self.shared_experts) * self.expert_params + router
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus the untied LM head."""
+        return 2 * self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All parameters (MTP modules excluded)."""
+        dense = self.layers - self.moe_layers
+        return (
+            self.layers * self.attn_params_per_layer
+            + dense * self.dense_mlp_params
+            + self.moe_layers * self.mlp_params_per_moe_layer
+            + self.embedding_params
+        )
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters one token multiplies through (the LM head, not the embedding lookup)."""
+        dense = self.layers - self.moe_layers
+        active_moe = (self.experts_per_token + self.shared_experts) * self.expert_params
+        return (
+            self.layers * self.attn_params_per_layer
+            + dense * self.dense_mlp_params
+            + self.moe_layers * (active_moe + self.hidden * self.experts)
+            + self.vocab * self.hidden
+        )
+
+    def weight_bytes(self, dtype: str = "bf16") -> int:
+        return self.params * dtype_bytes(dtype)
+
+    # ---- FLOPs -----------------------------------------------------------------------
+    @property
+    def linear_flops_per_token(self) -> int:
+        """FLOPs of every matrix multiply one token goes through (2 per parameter)."""
+        return 2 * self.active_params_per_token
+
+    @property
+    def attn_score_dims(self) -> tuple[int, int]:
+        """(qk dim, v dim) per head of the attention inner products."""
+        if self.attention == "mla":
+            # absorbed MLA: scores against the latent + rope, values from the latent
+            return self.kv_lora_rank + self.qk_rope_dim, self.kv_lora_rank
+        return self.head_dim, self.head_dim
+
+    def attn_flops(self, kv_len: int) -> int:
+        """Attention FLOPs per layer for one query token attending to `kv_len` cached tokens."""
+        qk, v = self.attn_score_dims
+        return 2 * self.heads * kv_len * (qk + v)
+
+    def flops_per_token(self, context: int = 0) -> int:
+        """Total forward FLOPs for one token with `context` tokens before it."""
+        return self.linear_flops_per_token + self.layers * self.attn_flops(context)
+
+    def with_layers(self, layers: int) -> ModelSpec:
+        """The same shapes cut to `layers` layers (for small hardware runs)."""
+        if not 1 <= layers <= self.layers:
+            raise ConfigError(f"layers={layers} must be in 1..{self.layers} for {self.name}")
+        return replace(self, layers=layers, dense_layers=min(self.dense_layers, layers))
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ConfigError if tensor parallelism `tp` cannot shard this model's heads."""
+        if tp < 1:
+            raise ConfigError(f"tp={tp} must be >= 1")
+        if self.heads % tp:
+            raise ConfigError(f"tp={tp} does not divide {self.name}'s {self.heads} query heads")
+        kv = self.kv_shardable_heads
+        if self.attention == "gqa" and kv % tp and tp % kv:
+            raise ConfigError(
+                f"tp={tp} and {self.name}'s {kv} KV heads: one must divide the other "
+                "(heads are split, or replicated when tp > kv_heads)"
+            )
+
+
+LLAMA_31_8B = ModelSpec(
+    name="llama-3.1-8b", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+    vocab=128256, intermediate=14336,
+)
+LLAMA_31_70B = ModelSpec(
+    name="llama-3.1-70b", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
+    vocab=128256, intermediate=28672,
+)
+QWEN3_CODER_480B = ModelSpec(
+    name="qwen3-coder-480b-a35b", hidden=6144, layers=62, heads=96, kv_heads=8, head_dim=128,
+    vocab=151936, intermediate=8192, experts=160, experts_per_token=8, moe_intermediate=2560,
+)
+DEEPSEEK_V3 = ModelSpec(
+    name="deepseek-v3", hidden=7168, layers=61, heads=128, head_dim=192, vocab=129280,
+    intermediate=18432, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128,
+    qk_rope_dim=64, v_head_dim=128, experts=256, experts_per_token=8, shared_experts=1,
+    moe_intermediate=2048, dense_layers=3, mtp_layers=1,
+)
+
+MODELS: dict[str, ModelSpec] = {
+    m.name: m for m in (LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, DEEPSEEK_V3)
+}
+MODELS["deepseek-r1"] = replace(DEEPSEEK_V3, name="deepseek-r1")  # same architecture
+
+
+def get_model(name: str) -> ModelSpec:
+    """Look a model up by catalogue name (case-insensitive)."""
+    key = name.lower()
+    if key not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    return MODELS[key]
