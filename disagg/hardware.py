@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from disagg.errors import ConfigError
 
@@ -58,17 +59,19 @@ GB = 1e9
 GIB = 1 << 30
 
 H100_SXM = GPU("H100-SXM", bf16_flops=989e12, fp8_flops=1979e12, hbm_bandwidth_bps=3.35 * TB,
-               hbm_bytes=80 * GB, nvlink_bandwidth_bps=450 * GB)
+               hbm_bytes=80 * 10**9, nvlink_bandwidth_bps=450 * GB)
 H200_SXM = GPU("H200-SXM", bf16_flops=989e12, fp8_flops=1979e12, hbm_bandwidth_bps=4.8 * TB,
-               hbm_bytes=141 * GB, nvlink_bandwidth_bps=450 * GB)
+               hbm_bytes=141 * 10**9, nvlink_bandwidth_bps=450 * GB)
 CONNECTX_7 = NIC("ConnectX-7", bandwidth_gbps=400, latency_s=3e-6, op_cost_s=0.25e-6)
 EFA = NIC("EFA", bandwidth_gbps=400, latency_s=15e-6, op_cost_s=1.0e-6)
+
+T = TypeVar("T", "GPU", "NIC")
 
 GPUS = {g.name.lower(): g for g in (H100_SXM, H200_SXM)}
 NICS = {n.name.lower(): n for n in (CONNECTX_7, EFA)}
 
 
-def _lookup(table: dict, kind: str, name: str):  # type: ignore[no-untyped-def,type-arg]
+def _lookup(table: dict[str, T], kind: str, name: str) -> T:
     key = name.lower()
     if key not in table:
         known = ", ".join(v.name for v in table.values())
@@ -77,10 +80,8 @@ def _lookup(table: dict, kind: str, name: str):  # type: ignore[no-untyped-def,t
 
 
 def get_gpu(name: str) -> GPU:
-    gpu: GPU = _lookup(GPUS, "GPU", name)
-    return gpu
+    return _lookup(GPUS, "GPU", name)
 
 
 def get_nic(name: str) -> NIC:
-    nic: NIC = _lookup(NICS, "NIC", name)
-    return nic
+    return _lookup(NICS, "NIC", name)

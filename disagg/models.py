@@ -152,17 +152,21 @@ class ModelSpec:
         """FLOPs of every matrix multiply one token goes through (2 per parameter)."""
         return 2 * self.active_params_per_token
 
-    @property
-    def attn_score_dims(self) -> tuple[int, int]:
-        """(qk dim, v dim) per head of the attention inner products."""
-        if self.attention == "mla":
-            # absorbed MLA: scores against the latent + rope, values from the latent
-            return self.kv_lora_rank + self.qk_rope_dim, self.kv_lora_rank
-        return self.head_dim, self.head_dim
+    def attn_score_dims(self, absorbed: bool = True) -> tuple[int, int]:
+        """(qk dim, v dim) per head of the attention inner products.
 
-    def attn_flops(self, kv_len: int) -> int:
+        MLA decodes in absorbed form (queries meet the 512-wide latent plus the rope key) and
+        prefills in plain form (qk_nope + qk_rope against decompressed keys, v_head_dim values).
+        """
+        if self.attention != "mla":
+            return self.head_dim, self.head_dim
+        if absorbed:
+            return self.kv_lora_rank + self.qk_rope_dim, self.kv_lora_rank
+        return self.qk_nope_dim + self.qk_rope_dim, self.v_head_dim
+
+    def attn_flops(self, kv_len: int, absorbed: bool = True) -> int:
         """Attention FLOPs per layer for one query token attending to `kv_len` cached tokens."""
-        qk, v = self.attn_score_dims
+        qk, v = self.attn_score_dims(absorbed)
         return 2 * self.heads * kv_len * (qk + v)
 
     def flops_per_token(self, context: int = 0) -> int:

@@ -1,0 +1,275 @@
+"""Experiment files (TOML) -> validated, frozen configuration objects.
+
+An experiment names a model, the hardware, the cluster (colocated nodes, or prefill and decode
+node groups), the KV pages, the transfer policy, speculative decoding, the cost model and the
+workload. Every field has a default, so `Experiment()` is the built-in default experiment.
+`load_experiment(path, overrides)` applies `key.path=value` overrides (the CLI's `--set`) before
+validation, so a bad override gets the same clear error as a bad file.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from disagg.core.workload import LengthDist, WorkloadConfig
+from disagg.errors import ConfigError
+from disagg.hardware import GPU, NIC, Node, get_gpu, get_nic
+from disagg.models import ModelSpec, get_model
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Frozen):
+    name: str = "deepseek-r1"
+    weight_dtype: Literal["bf16", "fp8"] = "fp8"
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    layers: int | None = Field(default=None, ge=1)  # cut the depth (hardware runs)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        get_model(v)
+        return v
+
+    @property
+    def spec(self) -> ModelSpec:
+        spec = get_model(self.name)
+        return spec.with_layers(self.layers) if self.layers else spec
+
+
+class HardwareConfig(_Frozen):
+    gpu: str = "H200-SXM"
+    nic: str = "ConnectX-7"
+    gpus_per_node: int = Field(default=8, ge=1)
+    nics_per_node: int = Field(default=8, ge=1)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        get_gpu(v)
+        return v
+
+    @field_validator("nic")
+    @classmethod
+    def _nic(cls, v: str) -> str:
+        get_nic(v)
+        return v
+
+    @property
+    def node(self) -> Node:
+        return Node(self.gpu_spec, self.nic_spec, self.gpus_per_node, self.nics_per_node)
+
+    @property
+    def gpu_spec(self) -> GPU:
+        return get_gpu(self.gpu)
+
+    @property
+    def nic_spec(self) -> NIC:
+        return get_nic(self.nic)
+
+
+class GroupConfig(_Frozen):
+    """Nodes of one role and how each one runs the model."""
+
+    nodes: int = Field(default=1, ge=1)
+    tp: int = Field(default=8, ge=1)  # tensor-parallel ranks per attention group
+    dp: int = Field(default=1, ge=1)  # data-parallel attention groups per node
+    max_batch: int = Field(default=256, ge=1)  # sequences per forward pass
+    token_budget: int = Field(default=8192, ge=1)  # tokens per forward pass (chunked prefill)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tp * self.dp
+
+
+class ClusterConfig(_Frozen):
+    mode: Literal["colocated", "disagg"] = "disagg"
+    colocated: GroupConfig = GroupConfig(nodes=4)
+    prefill: GroupConfig = GroupConfig(nodes=1)
+    decode: GroupConfig = GroupConfig(nodes=3)
+    router: Literal["round_robin", "least_loaded"] = "least_loaded"
+
+    @property
+    def groups(self) -> dict[str, GroupConfig]:
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(g.nodes * g.gpus_per_node for g in self.groups.values())
+
+
+class KVConfig(_Frozen):
+    page_size: int = Field(default=64, ge=1)  # tokens per page
+    layout: Literal["HND", "NHD"] = "HND"
+    memory_fraction: float = Field(default=0.9, gt=0, le=1)  # of HBM for weights + KV
+    activation_reserve_gb: float = Field(default=8.0, ge=0)  # per GPU, for activations/graphs
+
+
+class TransferConfig(_Frozen):
+    policy: Literal["layerwise", "whole"] = "layerwise"
+    control_latency_s: float = Field(default=100e-6, ge=0)  # request handoff message
+    timeout_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+
+
+class SpecConfig(_Frozen):
+    """Speculative decoding / MTP: each decode step verifies `draft_tokens` drafts and emits
+    `accepted_tokens_per_step` tokens on average (1 without speculation)."""
+
+    draft_tokens: int = Field(default=0, ge=0)
+    accepted_tokens_per_step: float = Field(default=1.0, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpecConfig:
+        if self.accepted_tokens_per_step > self.draft_tokens + 1:
+            raise ValueError(
+                f"accepted_tokens_per_step={self.accepted_tokens_per_step} cannot exceed "
+                f"draft_tokens + 1 = {self.draft_tokens + 1}"
+            )
+        return self
+
+
+class CostConfig(_Frozen):
+    """Roofline efficiency factors (fractions of peak), or a measured profile table."""
+
+    source: str = "roofline"  # or "profile:PATH" (a CSV written by `disagg hw profile`)
+    gemm_efficiency: float = Field(default=0.7, gt=0, le=1)
+    attention_efficiency: float = Field(default=0.6, gt=0, le=1)
+    memory_efficiency: float = Field(default=0.8, gt=0, le=1)
+    allreduce_efficiency: float = Field(default=0.7, gt=0, le=1)
+    step_overhead_s: float = Field(default=0.002, ge=0)
+    layer_overhead_s: float = Field(default=20e-6, ge=0)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v != "roofline" and not v.startswith("profile:"):
+            raise ValueError(f"cost model {v!r}: use 'roofline' or 'profile:PATH'")
+        return v
+
+
+DEFAULT_WORKLOAD = WorkloadConfig(
+    rate_per_s=3.0,
+    duration_s=120.0,
+    prompt_tokens=LengthDist(dist="lognormal", mean=3000, sigma=0.5, low=256, high=16384),
+    output_tokens=LengthDist(dist="uniform", low=300, high=1000),
+)
+
+
+class Experiment(_Frozen):
+    name: str = "default"
+    description: str = ""
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    hardware: HardwareConfig = HardwareConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    kv: KVConfig = KVConfig()
+    transfer: TransferConfig = TransferConfig()
+    spec: SpecConfig = SpecConfig()
+    cost: CostConfig = CostConfig()
+    workload: WorkloadConfig = DEFAULT_WORKLOAD
+    base_dir: str = "."  # where relative paths (traces, profiles) resolve; set by the loader
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> Experiment:
+        spec = self.model.spec
+        for role, group in self.cluster.groups.items():
+            try:
+                spec.check_tp(group.tp)
+            except ConfigError as e:
+                raise ValueError(f"cluster.{role}: {e}") from None
+            if group.gpus_per_node > self.hardware.gpus_per_node:
+                raise ValueError(
+                    f"cluster.{role}: tp={group.tp} x dp={group.dp} needs "
+                    f"{group.gpus_per_node} GPUs per node, hardware has "
+                    f"{self.hardware.gpus_per_node}"
+                )
+        return self
+
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `data["a"]["b"] = value` for `dotted` = "a.b", creating tables as needed."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is a value, not a table")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.path=value` -> (key.path, value); the value is read as JSON/TOML if it can be."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+    return key.strip(), value
+
+
+def build_experiment(data: dict[str, Any], overrides: list[str] | None = None,
+                     source: str = "<built-in>") -> Experiment:
+    """Validate a parsed experiment table, then apply `overrides` to the complete result (so
+    an override changes one value and keeps every other, defaults included)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    data.setdefault("workload", DEFAULT_WORKLOAD.model_dump(exclude_none=True))
+    exp = _validate(data, source)
+    if not overrides:
+        return exp
+    full = exp.model_dump(mode="json", exclude_none=True)
+    for text in overrides:
+        set_path(full, *parse_override(text))
+    return _validate(full, f"{source} with --set {' '.join(overrides)}")
+
+
+def _validate(data: dict[str, Any], source: str) -> Experiment:
+    try:
+        return Experiment.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+
+
+def _explain(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid experiment"]
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if err["type"] != "missing" and _short(err) else ""
+        lines.append(f"  {where}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def _short(err: Any) -> bool:
+    return not isinstance(err.get("input"), dict) and len(repr(err.get("input"))) < 80
+
+
+def load_experiment(path: str | Path | None = None,
+                    overrides: list[str] | None = None) -> Experiment:
+    """Read an experiment TOML file (or the built-in default when `path` is None)."""
+    if path is None:
+        return build_experiment({}, overrides)
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"experiment file {p} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    data.setdefault("base_dir", str(p.parent.resolve()))
+    return build_experiment(data, overrides, str(p))

@@ -1,0 +1,171 @@
+"""Result tables shared by both backends, and the summary computed from them.
+
+Every run writes three tables and a summary:
+- requests: one row per request with its timestamps (seconds since the run's start);
+- steps: one row per forward pass, or per run of `steps` identical decode passes
+  (a decode node coalesces passes between batch changes; `duration_s` covers them all);
+- transfers: one row per request transfer (bytes, write operations, first post, last landing).
+Metrics, plots and notebooks read only these, so sim and hw results compare column by column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from disagg.core.request import Request, Status
+
+STEP_COLUMNS = [
+    "node", "kind", "start_s", "duration_s", "steps", "batch_size", "decode_seqs", "tokens",
+    "prefill_tokens",
+]
+TRANSFER_COLUMNS = [
+    "request_id", "prefill_node", "decode_node", "bytes", "ops", "start_s", "end_s",
+]
+
+
+@dataclass
+class Transfer:
+    request_id: int
+    prefill_node: int
+    decode_node: int
+    nbytes: float = 0.0
+    ops: float = 0.0
+    start_s: float = math.nan
+    end_s: float = math.nan
+
+
+@dataclass
+class Recorder:
+    """Collects step and transfer rows as a run goes (cheap appends, tables at the end)."""
+
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+
+    def step(self, node: str, kind: str, start_s: float, duration_s: float, steps: int,
+             batch_size: int, decode_seqs: int, tokens: int, prefill_tokens: int) -> None:
+        """One pass (or `steps` identical decode passes); counts are per pass: sequences,
+        decoding sequences, tokens (prefill tokens + decode queries), prefill tokens."""
+        self.steps.append((node, kind, start_s, duration_s, steps, batch_size, decode_seqs,
+                           tokens, prefill_tokens))
+
+    def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
+        t = self.transfers.get(req.id)
+        if t is None:
+            t = self.transfers[req.id] = Transfer(req.id, req.prefill_node, req.decode_node)
+        t.nbytes += nbytes
+        t.ops += ops
+        t.start_s = start_s if math.isnan(t.start_s) else min(t.start_s, start_s)
+
+    def landed(self, req_id: int, end_s: float) -> None:
+        if req_id in self.transfers:
+            self.transfers[req_id].end_s = end_s
+
+
+def requests_table(requests: Iterable[Request]) -> pd.DataFrame:
+    rows = [
+        {
+            "request_id": r.id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens, "prefill_node": r.prefill_node,
+            "decode_node": r.decode_node, "prefill_start_s": r.prefill_start_s,
+            "prefill_end_s": r.prefill_end_s, "ready_s": r.ready_s,
+            "first_token_s": r.first_token_s, "finish_s": r.finish_s, "ttft_s": r.ttft_s,
+            "tpot_s": r.tpot_s, "status": str(r.status), "attempts": r.attempts,
+            "fail_reason": r.fail_reason,
+        }
+        for r in sorted(requests, key=lambda r: r.id)
+    ]
+    return pd.DataFrame(rows)
+
+
+def steps_table(rec: Recorder) -> pd.DataFrame:
+    return pd.DataFrame(rec.steps, columns=STEP_COLUMNS)
+
+
+def transfers_table(rec: Recorder) -> pd.DataFrame:
+    rows = [
+        (t.request_id, t.prefill_node, t.decode_node, t.nbytes, t.ops, t.start_s, t.end_s)
+        for t in sorted(rec.transfers.values(), key=lambda t: t.request_id)
+    ]
+    return pd.DataFrame(rows, columns=TRANSFER_COLUMNS)
+
+
+def _pcts(values: pd.Series, name: str) -> dict[str, float]:
+    v = values.dropna().to_numpy(dtype=float)
+    if len(v) == 0:
+        return {f"{name}_p{p}": math.nan for p in (50, 90, 99)}
+    return {f"{name}_p{p}": float(np.percentile(v, p)) for p in (50, 90, 99)}
+
+
+def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
+    """Percentiles of the pass time each decoding sequence waits for its next token(s): every
+    pass that carries decodes (decode-only or mixed with prefill), weighted by the sequences it
+    carries. A prefill that shares a pass with decodes shows up here as stutter."""
+    dec = steps[steps.decode_seqs > 0]
+    if dec.empty:
+        return {f"itl_s_p{p}": math.nan for p in (50, 90, 99)}
+    per_pass = (dec.duration_s / dec.steps).to_numpy(float)
+    weight = (dec.steps * dec.decode_seqs).to_numpy(float)
+    order = np.argsort(per_pass, kind="stable")
+    cum = np.cumsum(weight[order]) / weight.sum()
+    return {
+        f"itl_s_p{p}": float(per_pass[order][np.searchsorted(cum, p / 100)])
+        for p in (50, 90, 99)
+    }
+
+
+def summarize(requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFrame,
+              gpus: int, wall_s: float) -> dict[str, Any]:
+    """TTFT, TPOT, per-user and per-GPU throughput, transfer sizes, counts."""
+    done = requests[requests.status == str(Status.FINISHED)]
+    simulated_s = float(requests.finish_s.max()) if len(done) else 0.0
+    out: dict[str, Any] = {}
+    out |= _pcts(done.ttft_s, "ttft_s")
+    out |= _pcts(done.tpot_s, "tpot_s")
+    out["tps_per_user_p50"] = float(np.median(1 / done.tpot_s.dropna())) if len(done) else 0.0
+    tokens = float(done.output_tokens.sum())
+    out["output_tps_per_gpu"] = tokens / simulated_s / gpus if simulated_s else 0.0
+    out |= inter_token_latency(steps)
+    out["transfer_bytes_per_request"] = float(transfers.bytes.mean()) if len(transfers) else 0.0
+    out["transfer_ops_per_request"] = float(transfers.ops.mean()) if len(transfers) else 0.0
+    out["transfer_s_p50"] = (
+        float((transfers.end_s - transfers.start_s).median()) if len(transfers) else 0.0
+    )
+    out["completed"] = len(done)
+    out["failed"] = int((requests.status == str(Status.FAILED)).sum())
+    out["unfinished"] = len(requests) - out["completed"] - out["failed"]
+    out["gpus"] = gpus
+    out["simulated_s"] = simulated_s
+    out["wall_s"] = wall_s
+    return out
+
+
+def write_results(out_dir: Path, requests: pd.DataFrame, steps: pd.DataFrame,
+                  transfers: pd.DataFrame, summary: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests.to_parquet(out_dir / "requests.parquet", index=False)
+    steps.to_parquet(out_dir / "steps.parquet", index=False)
+    transfers.to_parquet(out_dir / "transfers.parquet", index=False)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+
+def read_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """The three tables and the summary of a run directory."""
+    for name in ("requests.parquet", "steps.parquet", "transfers.parquet", "summary.json"):
+        if not (run_dir / name).exists():
+            from disagg.errors import ConfigError
+
+            raise ConfigError(f"{run_dir} is not a run directory: {name} is missing")
+    return (
+        pd.read_parquet(run_dir / "requests.parquet"),
+        pd.read_parquet(run_dir / "steps.parquet"),
+        pd.read_parquet(run_dir / "transfers.parquet"),
+        json.loads((run_dir / "summary.json").read_text()),
+    )

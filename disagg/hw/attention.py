@@ -1,0 +1,314 @@
+"""Paged attention over the KV cache: FlashInfer on CUDA, a float32 torch reference anywhere.
+
+Both follow FlashInfer's split: `plan(meta)` once per step (host index arrays), then
+`run(cache, q, q_pe)` once per layer. New tokens sit at the end of each sequence (the cache
+already holds their K/V), and masking is causal and bottom-right aligned: new token i of a
+sequence with L new and S cached tokens sees cached tokens 0 .. S - L + i.
+
+GQA: q `[T, heads, head_dim]` -> out `[T, heads, head_dim]`; query head h reads KV head
+h // (heads / kv_heads). MLA (absorbed, DeepSeek-V3): q = q_nope after absorbing W_UK,
+`[T, heads, kv_lora_rank]`, and q_pe `[T, heads, qk_rope_dim]`; scores are
+q·ckv + q_pe·kpe against the cached latent, and out `[T, heads, kv_lora_rank]` is the
+softmax-weighted latent (W_UV is applied by the caller).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from disagg.core.kvcache import Layout
+from disagg.errors import ConfigError
+from disagg.hw.batch import BatchMeta
+from disagg.models import ModelSpec
+
+WORKSPACE_BYTES = 128 * 2**20
+# FlashInfer's MLA backend: "fa2" (SM80 code, runs on Hopper) keeps the JIT build short; "fa3"
+# (Hopper only) is the faster kernel once MLA speed matters.
+MLA_BACKEND = "fa2"
+
+
+def import_flashinfer() -> ModuleType:
+    """The flashinfer module, or ConfigError saying how to install it."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise ConfigError("FlashInfer is not installed: pip install disagg[gpu]") from e
+    return flashinfer
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What an attention backend must know about the model and the pages.
+
+    GQA: head_dim is the q/k/v head size. MLA: kv_heads is 1, head_dim is kv_lora_rank (the
+    latent, also the output size) and rope_dim is qk_rope_dim.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    sm_scale: float
+    layout: Layout = "HND"
+    mla: bool = False
+    rope_dim: int = 0
+
+    @staticmethod
+    def of(spec: ModelSpec, page_size: int, layout: Layout = "HND") -> AttnShape:
+        if spec.attention == "mla":
+            scale = 1.0 / math.sqrt(spec.qk_nope_dim + spec.qk_rope_dim)
+            return AttnShape(
+                spec.heads, 1, spec.kv_lora_rank, page_size, scale, layout, True, spec.qk_rope_dim
+            )
+        scale = 1.0 / math.sqrt(spec.head_dim)
+        return AttnShape(spec.heads, spec.kv_heads, spec.head_dim, page_size, scale, layout)
+
+
+class Attention(ABC):
+    """Paged attention for one step: plan once, run per layer."""
+
+    def __init__(self, shape: AttnShape) -> None:
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, meta: BatchMeta) -> None:
+        """Prepare for a step described by `meta` (host-side work only)."""
+
+    @abstractmethod
+    def run(
+        self, cache: torch.Tensor, q: torch.Tensor, q_pe: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention of the planned step's new tokens over one layer's pages (see module doc)."""
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention, float32, bottom-right aligned.
+
+    q [L, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv] with S >= L -> out [L, Hq, Dv] float32.
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q, k) * scale
+    s, n = k.shape[0], q.shape[0]
+    pos = torch.arange(s - n, s, device=q.device)
+    mask = torch.arange(s, device=q.device)[None, :] > pos[:, None]
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+
+
+def gather_pages(
+    cache: torch.Tensor, pages: torch.Tensor, kv_len: int, shape: AttnShape
+) -> torch.Tensor:
+    """The first `kv_len` cached tokens of a sequence, contiguous.
+
+    GQA -> [2, kv_len, kv_heads, head_dim] (K, V). MLA -> [kv_len, head_dim + rope_dim].
+    """
+    x = cache[pages]
+    if shape.mla:
+        return x.reshape(-1, x.shape[-1])[:kv_len]
+    # HND [n, 2, H, page, D] and NHD [n, 2, page, H, D] both -> [2, n, page, H, D]
+    x = x.permute(1, 0, 3, 2, 4) if shape.layout == "HND" else x.permute(1, 0, 2, 3, 4)
+    return x.reshape(2, -1, x.shape[-2], x.shape[-1])[:, :kv_len]
+
+
+class TorchAttention(Attention):
+    """The float32 reference: gathers each sequence's pages and runs dense causal attention."""
+
+    def plan(self, meta: BatchMeta) -> None:
+        self._meta = meta
+        self._pages: list[torch.Tensor] = []
+        self._device: torch.device | None = None
+
+    def run(
+        self, cache: torch.Tensor, q: torch.Tensor, q_pe: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        m, sh = self._meta, self.shape
+        if self._device != cache.device:
+            self._device = cache.device
+            self._pages = [
+                torch.tensor(m.kv_indices[a:b], device=cache.device)
+                for a, b in zip(m.kv_indptr, m.kv_indptr[1:], strict=False)
+            ]
+        out = torch.empty_like(q)
+        for i, pages in enumerate(self._pages):
+            rows = slice(m.qo_indptr[i], m.qo_indptr[i + 1])
+            kv = gather_pages(cache, pages, m.kv_lens[i], sh)
+            if sh.mla:
+                if q_pe is None:
+                    raise ConfigError("MLA attention needs q_pe")
+                qq = torch.cat([q[rows], q_pe[rows]], dim=-1)
+                o = dense_attention(qq, kv[:, None, :], kv[:, None, : sh.head_dim], sh.sm_scale)
+            else:
+                o = dense_attention(q[rows], kv[0], kv[1], sh.sm_scale)
+            out[rows] = o.to(q.dtype)
+        return out
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+class FlashInferAttention(Attention):
+    """FlashInfer paged attention on one CUDA device.
+
+    GQA: BatchPrefillWithPagedKVCacheWrapper for steps with any prefill chunk,
+    BatchDecodeWithPagedKVCacheWrapper for pure decode steps. MLA: BatchMLAPagedAttentionWrapper
+    for both. With `graph_batch` set, the wrappers use fixed buffers for exactly that many
+    sequences and at most `max_pages` pages, and only decode steps may be planned (CUDA graphs).
+    """
+
+    def __init__(
+        self,
+        shape: AttnShape,
+        device: torch.device,
+        *,
+        graph_batch: int | None = None,
+        max_pages: int = 0,
+        workspace: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__(shape)
+        self._fi = import_flashinfer()
+        self.device = device
+        self.dtype = dtype
+        self.graph_batch = graph_batch
+        self.workspace = (
+            workspace
+            if workspace is not None
+            else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        )
+        self._prefill: Any = None
+        self._decode: Any = None
+        self._mla: Any = None
+        self._active: Any = None
+        if shape.mla:
+            self._mla = self._make_mla(max_pages)
+        elif graph_batch is not None:
+            self._decode = self._make_graph_decode(max_pages)
+        else:
+            wrappers = self._fi
+            self._prefill = wrappers.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, shape.layout
+            )
+            self._decode = wrappers.BatchDecodeWithPagedKVCacheWrapper(self.workspace, shape.layout)
+
+    def _buf(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+    def _make_graph_decode(self, max_pages: int) -> Any:
+        b = int(self.graph_batch or 0)
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            self.shape.layout,
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=self._buf(b + 1),
+            paged_kv_indices_buffer=self._buf(max_pages),
+            paged_kv_last_page_len_buffer=self._buf(b),
+        )
+
+    def _make_mla(self, max_pages: int) -> Any:
+        mla = self._fi.mla.BatchMLAPagedAttentionWrapper
+        if self.graph_batch is None:
+            return mla(self.workspace, backend=MLA_BACKEND)
+        b = self.graph_batch
+        return mla(
+            self.workspace,
+            backend=MLA_BACKEND,
+            use_cuda_graph=True,
+            qo_indptr=self._buf(b + 1),
+            kv_indptr=self._buf(b + 1),
+            kv_indices=self._buf(max_pages),
+            kv_len_arr=self._buf(b),
+        )
+
+    def plan(self, meta: BatchMeta) -> None:
+        sh = self.shape
+        if self.graph_batch is not None and (not meta.is_decode or meta.batch != self.graph_batch):
+            raise ConfigError(f"graph attention is planned for {self.graph_batch} decode rows only")
+        qo, kv_ptr, idx = _int32(meta.qo_indptr), _int32(meta.kv_indptr), _int32(meta.kv_indices)
+        dtype = self.dtype
+        if sh.mla:
+            self._mla.plan(
+                qo,
+                kv_ptr,
+                idx,
+                _int32(meta.kv_lens),
+                sh.heads,
+                sh.head_dim,
+                sh.rope_dim,
+                sh.page_size,
+                True,
+                sh.sm_scale,
+                dtype,
+                dtype,
+            )
+            return
+        last = _int32(meta.last_page_len)
+        if meta.is_decode:
+            self._decode.plan(
+                kv_ptr,
+                idx,
+                last,
+                sh.heads,
+                sh.kv_heads,
+                sh.head_dim,
+                sh.page_size,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                sm_scale=sh.sm_scale,
+            )
+            self._active = self._decode
+        else:
+            self._prefill.plan(
+                qo,
+                kv_ptr,
+                idx,
+                last,
+                sh.heads,
+                sh.kv_heads,
+                sh.head_dim,
+                sh.page_size,
+                causal=True,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                sm_scale=sh.sm_scale,
+            )
+            self._active = self._prefill
+
+    def run(
+        self, cache: torch.Tensor, q: torch.Tensor, q_pe: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.shape.mla:
+            return self._active.run(q, cache)
+        if q_pe is None:
+            raise ConfigError("MLA attention needs q_pe")
+        c = self.shape.head_dim
+        return self._mla.run(q, q_pe, cache[..., :c], cache[..., c:])
+
+
+def make_attention(
+    kind: str, shape: AttnShape, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> Attention:
+    """ "torch" (reference), "flashinfer" (CUDA only) or "auto" (flashinfer on CUDA, else torch).
+
+    `dtype` is the q and KV dtype FlashInfer plans for (the reference takes any).
+    """
+    if kind == "auto":
+        kind = "flashinfer" if device.type == "cuda" else "torch"
+    if kind == "torch":
+        return TorchAttention(shape)
+    if kind == "flashinfer":
+        if device.type != "cuda":
+            raise ConfigError(f"FlashInfer attention needs a CUDA device, got {device}")
+        return FlashInferAttention(shape, device, dtype=dtype)
+    raise ConfigError(f"unknown attention backend {kind!r}: use auto, torch or flashinfer")

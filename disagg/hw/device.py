@@ -1,0 +1,75 @@
+"""Device selection, default dtypes and step timing for the hw backend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from disagg.errors import ConfigError
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch device from a name ("cpu", "cuda", "cuda:1"); ConfigError if it does not exist."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r} asked for, but torch sees no CUDA GPU")
+        index = 0 if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {str(device)!r} asked for, but only {torch.cuda.device_count()} "
+                "CUDA GPU(s) are visible"
+            )
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ConfigError(f"unsupported device {str(device)!r}: use cpu or cuda[:N]")
+    return dev
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (what FlashInfer runs), float32 on CPU (the reference)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_fits(device: torch.device, nbytes: int, what: str) -> None:
+    """Raise ConfigError if `nbytes` more bytes cannot be allocated on a CUDA device."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise ConfigError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB but {device} has {free / 2**30:.1f} GiB free "
+            f"of {total / 2**30:.1f} GiB: use fewer pages, layers or a smaller batch"
+        )
+
+
+def time_it(
+    fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int
+) -> list[float]:
+    """Seconds per call of `fn`, `repeats` times after `warmup` calls.
+
+    CUDA: timed with CUDA events around each call (no host sync inside the timed region).
+    CPU: wall clock.
+    """
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+    torch.cuda.synchronize(device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events]

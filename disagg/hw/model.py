@@ -1,0 +1,271 @@
+"""A decoder-only transformer with seeded random weights at a catalogue model's real shapes.
+
+GQA models (Llama-3.1): RoPE on q and k, a fused qkv projection, KV written to the paged cache.
+MLA models (DeepSeek-V3): low-rank q (q_lora) and kv (kv_lora) projections; the cache holds the
+normalised latent (kv_lora_rank) and the roped key (qk_rope_dim) of each token. Attention is
+computed in the absorbed form for prefill and decode alike: q_nope is multiplied by W_UK so
+scores are taken against the latent, and W_UV is applied to the attended latent afterwards
+(FlashInfer's MLA kernel computes exactly this). The MLP is a dense SwiGLU of width
+`intermediate` on every layer (MoE routing is left out: it changes FLOPs, not the KV protocol).
+
+Weights are uniform with std 1/sqrt(fan_in) (output projections further / sqrt(2 layers)), so
+activations stay O(1) over any depth; norms are ones. They are drawn on the CPU in fixed chunks,
+each from its own torch.Generator seeded by (seed, tensor name, chunk), so they are identical
+in every process and for any thread count, then moved to the device (bf16 on CUDA, float32 on
+CPU). RoPE is the plain rotate-half form with theta 500000 (no Llama-3.1 frequency scaling).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from disagg.core.kvcache import Layout
+from disagg.hw.attention import Attention, AttnShape, TorchAttention
+from disagg.hw.batch import BatchMeta, Seq, StepTensors
+from disagg.hw.cache import KVCache
+from disagg.hw.device import check_fits, default_dtype, resolve_device
+from disagg.models import ModelSpec
+
+ROPE_THETA = 500_000.0
+NORM_EPS = 1e-6
+CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
+
+
+@dataclass
+class ForwardOut:
+    """logits [B, vocab] float32 at each sequence's last new token; hidden [B, hidden] (model
+    dtype) final hidden state (before the final norm) at each sequence's `hidden_at` token."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class WeightMaker:
+    """Deterministic random tensors: chunk i of tensor `name` is drawn from seed (seed, name, i)."""
+
+    def __init__(self, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.seed, self.device, self.dtype = seed, device, dtype
+        self.pool = ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1))
+
+    def _chunk(self, name: str, i: int, n: int, bound: float) -> torch.Tensor:
+        key = zlib.crc32(f"{self.seed}/{name}/{i}".encode()) + (self.seed << 32)
+        g = torch.Generator().manual_seed(key & (2**63 - 1))
+        return torch.empty(n).uniform_(-bound, bound, generator=g).to(self.dtype)
+
+    def uniform(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        """A tensor of `shape` with i.i.d. uniform entries of standard deviation `std`."""
+        total = math.prod(shape)
+        bound = std * math.sqrt(3.0)
+        starts = range(0, total, CHUNK)
+        parts = self.pool.map(
+            lambda s: self._chunk(name, s // CHUNK, min(CHUNK, total - s), bound), starts
+        )
+        return torch.cat(list(parts)).view(shape).to(self.device)
+
+    def ones(self, n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=self.dtype, device=self.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, NORM_EPS)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, H, d]; cos, sin [T, 1, d/2] in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def write_kv(
+    cache: torch.Tensor, x: StepTensors, layout: Layout, k: torch.Tensor, v: torch.Tensor | None
+) -> None:
+    """Store new tokens' entries into one layer's pages at (slot_pages, slot_offsets).
+
+    GQA: k, v [T, kv_heads, head_dim]. MLA: k is the latent row [T, kv_lora + rope], v is None.
+    """
+    p, o = x.slot_pages, x.slot_offsets
+    if v is None:
+        cache[p, o] = k
+    elif layout == "HND":
+        cache[:, 0][p, :, o] = k
+        cache[:, 1][p, :, o] = v
+    else:
+        cache[:, 0][p, o] = k
+        cache[:, 1][p, o] = v
+
+
+class Transformer:
+    """Random-weight decoder over a paged KV cache; see the module doc for the architecture."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.spec = spec
+        self.device = resolve_device(device)
+        self.dtype = dtype or default_dtype(self.device)
+        self.mla = spec.attention == "mla"
+        self.rope_dim = spec.qk_rope_dim if self.mla else spec.head_dim
+        check_fits(self.device, self.weight_bytes(), f"{spec.name} weights ({spec.layers} layers)")
+        w = WeightMaker(seed, self.device, self.dtype)
+        h = spec.hidden
+        self.embed = w.uniform("embed", (spec.vocab, h), 1.0)
+        self.layers = [self._make_layer(w, i) for i in range(spec.layers)]
+        self.final_norm = w.ones(h)
+        self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5)
+        w.pool.shutdown()
+        half = self.rope_dim // 2
+        self.inv_freq = ROPE_THETA ** (
+            -torch.arange(half, dtype=torch.float32, device=self.device) / half
+        )
+
+    # ---- weights ---------------------------------------------------------------------------
+    def _attn_shapes(self) -> dict[str, tuple[int, ...]]:
+        s = self.spec
+        if not self.mla:
+            qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+            return {"wqkv": (qkv, s.hidden), "wo": (s.hidden, s.heads * s.head_dim)}
+        qk = s.qk_nope_dim + s.qk_rope_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "w_dkv": (s.kv_lora_rank + s.qk_rope_dim, s.hidden),
+            "w_uk": (s.heads, s.qk_nope_dim, s.kv_lora_rank),
+            "w_uv": (s.heads, s.v_head_dim, s.kv_lora_rank),
+            "wo": (s.hidden, s.heads * s.v_head_dim),
+        }
+        if s.q_lora_rank:
+            shapes |= {"w_dq": (s.q_lora_rank, s.hidden), "w_uq": (s.heads * qk, s.q_lora_rank)}
+        else:
+            shapes["w_q"] = (s.heads * qk, s.hidden)
+        return shapes
+
+    def _layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        s = self.spec
+        mlp = {"w_gate_up": (2 * s.intermediate, s.hidden), "w_down": (s.hidden, s.intermediate)}
+        return self._attn_shapes() | mlp
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model allocates (norms excluded)."""
+        per_layer = sum(math.prod(v) for v in self._layer_shapes().values())
+        total = self.spec.layers * per_layer + 2 * self.spec.vocab * self.spec.hidden
+        return total * torch.empty((), dtype=self.dtype).element_size()
+
+    def _make_layer(self, w: WeightMaker, i: int) -> dict[str, torch.Tensor]:
+        s = self.spec
+        out_scale = (2 * s.layers) ** -0.5
+        layer = {"ln1": w.ones(s.hidden), "ln2": w.ones(s.hidden)}
+        for name, shape in self._layer_shapes().items():
+            std = shape[-1] ** -0.5 * (out_scale if name in ("wo", "w_down") else 1.0)
+            layer[name] = w.uniform(f"layer{i}.{name}", shape, std)
+        if self.mla:
+            layer["kv_norm"] = w.ones(s.kv_lora_rank)
+            if s.q_lora_rank:
+                layer["q_norm"] = w.ones(s.q_lora_rank)
+        return layer
+
+    # ---- forward ---------------------------------------------------------------------------
+    def new_cache(self, num_pages: int, page_size: int = 16, layout: Layout = "HND") -> KVCache:
+        return KVCache.allocate(self.spec, num_pages, page_size, self.device, self.dtype, layout)
+
+    def forward(
+        self, batch: Sequence[Seq], cache: KVCache, attention: Attention | None = None
+    ) -> ForwardOut:
+        """Append the batch's new tokens to `cache` and return last-token logits (eager)."""
+        meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
+        attn = attention or TorchAttention(
+            AttnShape.of(self.spec, cache.page_size, cache.layout.layout)
+        )
+        attn.plan(meta)
+        x = StepTensors.build(batch, cache.page_size, self.device)
+        return self.forward_tensors(x, cache, attn)
+
+    @torch.inference_mode()
+    def forward_tensors(
+        self,
+        x: StepTensors,
+        cache: KVCache,
+        attn: Attention,
+        on_layer: Callable[[], None] | None = None,
+    ) -> ForwardOut:
+        """The step on device tensors only (CUDA-graph capturable with a graph-mode `attn`).
+
+        `on_layer` is called after each layer's attention output projection.
+        """
+        h = self.embed[x.input_ids]
+        freqs = x.positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None].to(self.dtype), freqs.sin()[:, None].to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            a = rms_norm(h, layer["ln1"])
+            attn_out = (
+                self._mla(layer, a, cos, sin, x, cache, i, attn)
+                if self.mla
+                else self._gqa(layer, a, cos, sin, x, cache, i, attn)
+            )
+            h = h + attn_out
+            if on_layer is not None:
+                on_layer()
+            gate, up = F.linear(rms_norm(h, layer["ln2"]), layer["w_gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["w_down"])
+        last = rms_norm(h[x.last_rows], self.final_norm)
+        return ForwardOut(F.linear(last, self.lm_head).float(), h[x.hidden_rows])
+
+    def _gqa(
+        self,
+        layer: dict[str, torch.Tensor],
+        a: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        x: StepTensors,
+        cache: KVCache,
+        i: int,
+        attn: Attention,
+    ) -> torch.Tensor:
+        s, t = self.spec, a.shape[0]
+        q, k, v = (
+            F.linear(a, layer["wqkv"])
+            .view(t, -1, s.head_dim)
+            .split([s.heads, s.kv_heads, s.kv_heads], dim=1)
+        )
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(cache.layers[i], x, cache.layout.layout, k, v)
+        o = attn.run(cache.layers[i], q)
+        return F.linear(o.reshape(t, -1), layer["wo"])
+
+    def _mla(
+        self,
+        layer: dict[str, torch.Tensor],
+        a: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        x: StepTensors,
+        cache: KVCache,
+        i: int,
+        attn: Attention,
+    ) -> torch.Tensor:
+        s, t = self.spec, a.shape[0]
+        if s.q_lora_rank:
+            q = F.linear(rms_norm(F.linear(a, layer["w_dq"]), layer["q_norm"]), layer["w_uq"])
+        else:
+            q = F.linear(a, layer["w_q"])
+        q_nope, q_pe = q.view(t, s.heads, -1).split([s.qk_nope_dim, s.qk_rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
+        ckv, kpe = F.linear(a, layer["w_dkv"]).split([s.kv_lora_rank, s.qk_rope_dim], dim=-1)
+        latent = torch.cat(
+            [rms_norm(ckv, layer["kv_norm"]), apply_rope(kpe[:, None], cos, sin)[:, 0]], -1
+        )
+        write_kv(cache.layers[i], x, cache.layout.layout, latent, None)
+        q_abs = torch.einsum("thn,hnc->thc", q_nope, layer["w_uk"]).contiguous()
+        o = attn.run(cache.layers[i], q_abs, q_pe.contiguous())
+        o = torch.einsum("thc,hvc->thv", o, layer["w_uv"])
+        return F.linear(o.reshape(t, -1), layer["wo"])

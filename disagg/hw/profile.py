@@ -1,0 +1,83 @@
+"""Measure step times of the real model: the table the simulator's cost model is calibrated on.
+
+`profile` times prefill steps over (new tokens x cached tokens) for one sequence, and decode
+steps over (batch x cached tokens per sequence), each the median of `repeats` runs after
+`warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the model cut to
+`layers` layers. Columns: kind ("prefill" / "decode"), tokens (new tokens in the step: prefill
+tokens, or the decode batch), batch, context (cached tokens per sequence), duration_s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from disagg.core.kvcache import Layout, pages_for
+from disagg.hw.batch import Seq
+from disagg.hw.device import resolve_device, time_it
+from disagg.hw.model import Transformer
+from disagg.hw.runner import Runner
+from disagg.models import ModelSpec
+
+COLUMNS = ["kind", "tokens", "batch", "context", "duration_s"]
+
+
+def _seqs(batch: int, new: int, context: int, page_size: int, vocab: int) -> list[Seq]:
+    """`batch` sequences of `new` tokens after `context` cached ones, on disjoint page ranges."""
+    per = pages_for(context + new, page_size)
+    return [
+        Seq(
+            tuple((7919 * (i + j)) % vocab for j in range(new)),
+            context,
+            tuple(range(i * per, (i + 1) * per)),
+        )
+        for i in range(batch)
+    ]
+
+
+def profile(
+    spec: ModelSpec,
+    layers: int,
+    device: str | torch.device = "cuda",
+    *,
+    prefill_tokens: Sequence[int] = (256, 1024, 4096, 8192),
+    prefill_context: Sequence[int] = (0, 4096),
+    decode_batch: Sequence[int] = (1, 8, 32, 64, 128),
+    decode_context: Sequence[int] = (1024, 4096),
+    page_size: int = 16,
+    layout: Layout = "HND",
+    warmup: int = 2,
+    repeats: int = 5,
+    seed: int = 0,
+    attention: str = "auto",
+) -> pd.DataFrame:
+    """Median step durations over the grids (see the module doc for the columns)."""
+    dev = resolve_device(device)
+    model = Transformer(spec.with_layers(layers), seed=seed, device=dev)
+    prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
+    decode = [(b, c) for b in decode_batch for c in decode_context]
+    need = [pages_for(n + c, page_size) for n, c in prefill]
+    need += [b * pages_for(c + 1, page_size) for b, c in decode]
+    cache = model.new_cache(max(need, default=1), page_size, layout)
+    runner = Runner(model, cache, attention=attention)
+    rows = []
+    for kind, grid, new in (("prefill", prefill, None), ("decode", decode, 1)):
+        for a, c in grid:
+            batch, tokens = (1, a) if new is None else (a, 1)
+            seqs = _seqs(batch, tokens, c, page_size, spec.vocab)
+            times = time_it(partial(runner.step, seqs), dev, warmup=warmup, repeats=repeats)
+            rows.append((kind, tokens * batch, batch, c, statistics.median(times)))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a profile table as CSV (no index column); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    return out

@@ -1,0 +1,239 @@
+"""Runs forward steps on a Transformer: eager for prefill and mixed steps, CUDA graphs for decode.
+
+After each layer's attention output projection the step bumps a `LayerCounter` in-stream; a
+`LayerWatcher` thread polls its host copy (no device sync) and reports progress, which is how
+the messenger learns that a layer's KV pages may be sent while the step still runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from disagg.errors import ConfigError
+from disagg.hw.attention import AttnShape, FlashInferAttention, make_attention
+from disagg.hw.batch import BatchMeta, Seq, StepTensors
+from disagg.hw.cache import KVCache
+from disagg.hw.model import ForwardOut, Transformer
+
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class LayerCounter:
+    """Layers completed since creation: bumped by the model, read by a polling thread.
+
+    CUDA: a device int64 incremented in place, then copied non-blocking into pinned host memory;
+    both are stream operations, so a CUDA graph captures them and the host value advances while
+    the step runs. CPU: a plain host counter (CPU ops are synchronous).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+        self._view = self.host.numpy()
+        self.dev = torch.zeros(1, dtype=torch.int64, device=device) if cuda else None
+
+    def bump(self) -> None:
+        if self.dev is None:
+            self._view[0] += 1
+        else:
+            self.dev.add_(1)
+            self.host.copy_(self.dev, non_blocking=True)
+
+    def read(self) -> int:
+        """The latest value that reached host memory (never waits for the device)."""
+        return int(self._view[0])
+
+
+class LayerWatcher:
+    """A thread that calls `on_layers(n_done)` whenever the counter's host value changes.
+
+    n_done is the total number of layers completed since the counter was created (step k of an
+    L-layer model covers values k*L+1 .. (k+1)*L). Polling may skip values: a call means every
+    layer up to n_done is done. An exception raised by `on_layers` stops the thread and is
+    raised again by `stop()`.
+    """
+
+    def __init__(
+        self,
+        counter: LayerCounter,
+        on_layers: Callable[[int], None],
+        poll_interval_s: float = 50e-6,
+    ) -> None:
+        self.counter, self.on_layers, self.poll_interval_s = counter, on_layers, poll_interval_s
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="layer-watcher", daemon=True)
+
+    def _loop(self) -> None:
+        last = self.counter.read()
+        try:
+            while not self._stop.is_set():
+                now = self.counter.read()
+                if now != last:
+                    last = now
+                    self.on_layers(now)
+                else:
+                    time.sleep(self.poll_interval_s)
+        except BaseException as e:  # handed to stop()
+            self._error = e
+
+    def start(self) -> LayerWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> LayerWatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class StepOutput:
+    """One step's results (device tensors unless noted).
+
+    logits [B, vocab] float32 at each sequence's last new token; hidden [B, hidden] at its
+    `hidden_at` token; tokens: greedy samples (host ints) when asked for; layers_before: the
+    counter value when the step began (its layers are layers_before+1 .. layers_before+L).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    tokens: list[int] | None
+    layers_before: int
+
+
+class _DecodeGraph:
+    """A captured decode step for exactly `batch` rows; shorter batches are padded with rows
+    that write and read only the cache's scratch page."""
+
+    def __init__(self, runner: Runner, batch: int) -> None:
+        self.runner, self.batch = runner, batch
+        cache, dev = runner.cache, runner.device
+        self.pad = Seq((0,), 0, (cache.scratch_page,))
+        self.attn = FlashInferAttention(
+            runner.shape,
+            dev,
+            graph_batch=batch,
+            dtype=runner.model.dtype,
+            max_pages=cache.num_pages + batch,
+            workspace=runner.workspace,
+        )
+        rows = [self.pad] * batch
+        self.attn.plan(BatchMeta.of(rows, cache.page_size, cache.num_pages))
+        self.packed = torch.from_numpy(StepTensors.pack(rows, cache.page_size)).to(dev)
+        self.x = StepTensors.unpack(self.packed, batch)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside capture, without bumping the counter
+            runner.model.forward_tensors(self.x, cache, self.attn)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=runner.graph_pool):
+            self.out = runner.model.forward_tensors(self.x, cache, self.attn, runner.counter.bump)
+
+    def prepare(self, seqs: Sequence[Seq]) -> None:
+        """Plan attention and copy the inputs of `seqs` (padded) into the graph's buffers."""
+        cache = self.runner.cache
+        rows = [*seqs, *[self.pad] * (self.batch - len(seqs))]
+        self.attn.plan(BatchMeta.of(rows, cache.page_size, cache.num_pages))
+        host = torch.from_numpy(StepTensors.pack(rows, cache.page_size)).pin_memory()
+        self.packed.copy_(host, non_blocking=True)
+
+    def replay(self, n: int) -> ForwardOut:
+        """Run the captured step; the first `n` rows are the real sequences."""
+        self.graph.replay()
+        return ForwardOut(self.out.logits[:n].clone(), self.out.hidden[:n].clone())
+
+
+class Runner:
+    """Forward steps of `model` over `cache`, counting layers in `counter`.
+
+    attention: "auto" (FlashInfer on CUDA, the torch reference on CPU), "torch" or "flashinfer".
+    Pure decode steps of at most max(graph_batches) sequences replay a CUDA graph captured for
+    the next larger size in `graph_batches` (CUDA + FlashInfer only; eager elsewhere).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        *,
+        attention: str = "auto",
+        graph_batches: Sequence[int] = GRAPH_BATCHES,
+        counter: LayerCounter | None = None,
+    ) -> None:
+        if len(cache.layers) != model.spec.layers:
+            raise ConfigError(f"cache has {len(cache.layers)} layers, model {model.spec.layers}")
+        self.model, self.cache, self.device = model, cache, model.device
+        self.shape = AttnShape.of(model.spec, cache.page_size, cache.layout.layout)
+        self.attn = make_attention(attention, self.shape, self.device, model.dtype)
+        self.counter = counter or LayerCounter(self.device)
+        self.steps = 0
+        graphs = isinstance(self.attn, FlashInferAttention)
+        self.graph_batches = sorted(set(graph_batches)) if graphs else []
+        self.workspace = self.attn.workspace if isinstance(self.attn, FlashInferAttention) else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self.graph_error = ""
+        self._staged: torch.cuda.Event | None = None
+
+    def capture(self, batches: Sequence[int] | None = None) -> None:
+        """Capture decode graphs now (largest first, so smaller ones reuse its memory)."""
+        for b in sorted(batches or self.graph_batches, reverse=True):
+            self._graph(b)
+
+    def _graph(self, batch: int) -> _DecodeGraph | None:
+        if batch not in self._graphs and not self.graph_error:
+            try:
+                self._graphs[batch] = _DecodeGraph(self, batch)
+            except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
+                self.graph_error = f"CUDA graph capture failed, decode runs eagerly: {e}"
+                warnings.warn(self.graph_error, stacklevel=3)
+        return self._graphs.get(batch)
+
+    def _graph_for(self, meta: BatchMeta) -> _DecodeGraph | None:
+        if not meta.is_decode:
+            return None
+        fits = [b for b in self.graph_batches if b >= meta.batch]
+        return self._graph(fits[0]) if fits else None
+
+    def _mark_staged(self) -> None:
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+    def step(self, batch: Sequence[Seq], *, sample: bool = False) -> StepOutput:
+        """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`)."""
+        meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
+        before = self.steps * self.model.spec.layers
+        graph = self._graph_for(meta)
+        if self._staged is not None:
+            # FlashInfer's plan() refills a pinned staging buffer that the previous step's
+            # host-to-device copy may not have read yet: wait until it has (not for the step).
+            self._staged.synchronize()
+        if graph is not None:
+            graph.prepare(batch)
+            self._mark_staged()
+            out = graph.replay(len(batch))
+        else:
+            self.attn.plan(meta)
+            x = StepTensors.build(batch, self.cache.page_size, self.device)
+            self._mark_staged()
+            out = self.model.forward_tensors(x, self.cache, self.attn, self.counter.bump)
+        self.steps += 1
+        tokens = out.logits.argmax(-1).tolist() if sample else None
+        return StepOutput(out.logits, out.hidden, tokens, before)

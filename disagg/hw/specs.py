@@ -1,0 +1,89 @@
+"""Small shapes of catalogue models, for tests and CPU runs (dataclasses.replace on the real ones).
+
+`tiny_*` use toy head sizes (CPU only). `small_*` keep the head sizes FlashInfer's kernels are
+built for (GQA head_dim 128; MLA kv_lora_rank 512 + qk_rope_dim 64) with few heads and layers,
+so GPU tests compile the same kernels as the full-size runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, ModelSpec
+
+
+def _dense(spec: ModelSpec) -> ModelSpec:
+    """The spec without MoE layers or MTP modules (the hw model runs a dense MLP)."""
+    return replace(
+        spec,
+        experts=0,
+        experts_per_token=0,
+        shared_experts=0,
+        moe_intermediate=0,
+        dense_layers=0,
+        mtp_layers=0,
+    )
+
+
+def tiny_gqa(layers: int = 2) -> ModelSpec:
+    """Llama-3.1-8B's structure at hidden 64: 4 query heads, 2 KV heads of 16."""
+    return replace(
+        LLAMA_31_8B,
+        name="tiny-gqa",
+        hidden=64,
+        layers=layers,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=256,
+        intermediate=128,
+    )
+
+
+def tiny_mla(layers: int = 2) -> ModelSpec:
+    """DeepSeek-V3's MLA structure at hidden 64: latent 32 + rope 8, 4 heads, dense MLP."""
+    return replace(
+        _dense(DEEPSEEK_V3),
+        name="tiny-mla",
+        hidden=64,
+        layers=layers,
+        heads=4,
+        head_dim=24,
+        vocab=256,
+        intermediate=128,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_dim=16,
+        qk_rope_dim=8,
+        v_head_dim=16,
+    )
+
+
+def small_gqa(layers: int = 2) -> ModelSpec:
+    """GQA with Llama's head size 128 and group size 4: 8 query heads, 2 KV heads."""
+    return replace(
+        LLAMA_31_8B,
+        name="small-gqa",
+        hidden=256,
+        layers=layers,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        vocab=512,
+        intermediate=512,
+    )
+
+
+def small_mla(layers: int = 2) -> ModelSpec:
+    """MLA with DeepSeek-V3's latent 512 + rope 64 and 16 heads (one TP8 rank's share)."""
+    return replace(
+        _dense(DEEPSEEK_V3),
+        name="small-mla",
+        hidden=256,
+        layers=layers,
+        heads=16,
+        head_dim=192,
+        vocab=512,
+        intermediate=512,
+        q_lora_rank=128,
+    )

@@ -1,0 +1,225 @@
+"""The cuda wire: GPU memory between processes of one host, through CUDA IPC.
+
+A registered tensor's descriptor carries its CUDA IPC handle (torch's own sharing format,
+pickled and base64-encoded). The sender maps the peer's regions in `connect`, and `post` issues
+device copies on the wire's own stream at once: writes that continue each other are coalesced
+into one copy, and the remaining runs of a unit go out as one batched copy (`_foreach_copy_`).
+Writes given as a WriteArray are validated and coalesced with numpy, not one by one.
+
+After each unit with an immediate the sender records an event; a worker thread waits for it
+and only then sends the immediate to the receiver over a TCP side channel, so the receiver sees
+an immediate only once the bytes of that unit and every earlier one are in its memory. Batches
+complete when the receiver has acknowledged them; a dead receiver fails them with its name.
+
+The copies do not wait for other streams: post only bytes already written (the layer counter
+guarantees this for KV pages) or synchronise first.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from disagg.errors import TransportError
+from disagg.hw.transport._wire import IMM, Link, Server, check_imm, frame
+from disagg.hw.transport.base import (
+    Completion,
+    Descriptor,
+    Polled,
+    Transport,
+    Unit,
+    Write,
+    WriteArray,
+)
+
+Events = tuple[list[tuple[torch.cuda.Event, int]], torch.cuda.Event]
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, sizes (int64)
+
+
+def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
+    """`writes` grouped by (src, dst) region pair as arrays, in order within each pair."""
+    if isinstance(writes, WriteArray):
+        return [writes]
+    groups: dict[tuple[str, str], list[Write]] = {}
+    for w in writes:
+        groups.setdefault((w.src, w.dst), []).append(w)
+    return [
+        WriteArray(
+            src, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws], [w.nbytes for w in ws]
+        )
+        for (src, dst), ws in groups.items()
+    ]
+
+
+def coalesce(wa: WriteArray) -> Runs:
+    """Merge consecutive writes that continue each other on both sides into one run."""
+    s, d, n = (np.asarray(x, dtype=np.int64) for x in (wa.src_offsets, wa.dst_offsets, wa.nbytes))
+    if len(n) < 2:
+        return s, d, n
+    cont = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    starts = np.flatnonzero(np.concatenate([[True], ~cont]))
+    return s[starts], d[starts], np.add.reduceat(n, starts)
+
+
+def _wait_and_notify(link: Link, job: Events) -> None:
+    """Worker side: send each immediate once its unit's copies are done, then finish."""
+    marks, final = job
+    for event, imm in marks:
+        event.synchronize()
+        link.send(frame(IMM, imm))
+    final.synchronize()
+
+
+class CudaTransport(Transport):
+    """One cuda endpoint; all of its registered regions live on one GPU."""
+
+    name = "cuda"
+
+    def __init__(self, endpoint: str = "", host: str = "127.0.0.1", port: int = 0) -> None:
+        if not torch.cuda.is_available():
+            raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
+        self.endpoint = endpoint or f"{socket.gethostname()}:{os.getpid()}"
+        self.device: torch.device | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._local: dict[str, torch.Tensor] = {}
+        self._remote: dict[str, dict[str, torch.Tensor]] = {}
+        self._links: dict[str, Link] = {}
+        self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._server = Server(host, port, {})
+        self._lock = threading.Lock()
+        self._completions: list[Completion] = []
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"cuda endpoint {self.endpoint!r} is closed")
+
+    def register(self, region: str, buffer: Any) -> Descriptor:
+        self._check_open()
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cuda":
+            raise TransportError("the cuda wire registers CUDA tensors only")
+        if not buffer.is_contiguous():
+            raise TransportError("the cuda wire needs a contiguous tensor")
+        if region in self._local:
+            raise TransportError(f"region {region!r} is already registered")
+        if self.device is None:
+            self.device = buffer.device
+            self._stream = torch.cuda.Stream(buffer.device)
+        elif buffer.device != self.device:
+            raise TransportError(f"all regions of one endpoint live on {self.device}")
+        flat = buffer.reshape(-1).view(torch.uint8)
+        self._local[region] = flat
+        _, args = reduce_tensor(flat)
+        ipc = base64.b64encode(pickle.dumps(args)).decode()
+        return Descriptor(
+            self.name, region, flat.numel(), {"ipc": ipc, "device": flat.device.index}
+        )
+
+    def local_info(self) -> dict[str, Any]:
+        host, port = self._server.address
+        return {"wire": self.name, "host": host, "port": port, "endpoint": self.endpoint}
+
+    def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
+        self._check_open()
+        if peer in self._links:
+            raise TransportError(f"already connected to peer {peer!r}")
+        mapped = {}
+        for d in regions:
+            try:
+                mapped[d.region] = rebuild_cuda_tensor(
+                    *pickle.loads(base64.b64decode(d.info["ipc"]))
+                )
+            except (RuntimeError, KeyError) as e:
+                raise TransportError(
+                    f"cuda: cannot map region {d.region!r} of {peer!r}: {e}"
+                ) from e
+        self._remote[peer] = mapped
+        self._links[peer] = Link(self.name, peer, info, self.endpoint, _wait_and_notify, self._done)
+
+    def _done(self, c: Completion) -> None:
+        with self._lock:
+            self._completions.append(c)
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream the copies run on (None until a region is registered)."""
+        return self._stream
+
+    def _resolve(self, peer: str, wa: WriteArray) -> tuple[torch.Tensor, torch.Tensor, Runs]:
+        """The two regions and the coalesced runs of `wa`; TransportError if out of bounds."""
+        src, dst = self._local.get(wa.src), self._remote[peer].get(wa.dst)
+        if src is None or dst is None:
+            raise TransportError(f"unknown region {wa.src!r} -> {wa.dst!r} (local, or of {peer!r})")
+        s, d, n = runs = coalesce(wa)
+        if len(n) and (
+            min(s.min(), d.min(), n.min() - 1) < 0
+            or (s + n).max() > src.numel()
+            or (d + n).max() > dst.numel()
+        ):
+            raise TransportError(f"a write {wa.src!r} -> {wa.dst!r} is out of bounds")
+        return src, dst, runs
+
+    def _views(self, t: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor]:
+        """Byte ranges of `t`; ranges of one aligned size come from a cached row split."""
+        size = int(sizes[0])
+        aligned = size % 8 == 0 and t.numel() % size == 0 and t.data_ptr() % 8 == 0
+        if aligned and (sizes == size).all() and not (offsets % size).any():
+            key = (t.data_ptr(), t.numel(), size)
+            if key not in self._rows:
+                self._rows[key] = t.view(torch.int64).view(-1, size // 8).unbind(0)
+            rows = self._rows[key]
+            return [rows[i] for i in (offsets // size).tolist()]
+        return [t[o : o + k] for o, k in zip(offsets.tolist(), sizes.tolist(), strict=True)]
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
+        """Issue one group's copies on the current (wire) stream: one copy, or one batched copy."""
+        s, d, n = runs
+        if len(n) == 1:
+            dst[d[0] : d[0] + n[0]].copy_(src[s[0] : s[0] + n[0]], non_blocking=True)
+        elif len(n):
+            torch._foreach_copy_(self._views(dst, d, n), self._views(src, s, n), non_blocking=True)
+
+    def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
+        self._check_open()
+        if peer not in self._links or self._stream is None:
+            raise TransportError(f"not connected to peer {peer!r} (or nothing registered)")
+        plan = []
+        for unit in units:  # validate everything before issuing anything
+            check_imm(unit)
+            plan.append(([self._resolve(peer, wa) for wa in as_arrays(unit.writes)], unit.imm))
+        marks = []
+        with torch.cuda.stream(self._stream):
+            for groups, imm in plan:
+                for src, dst, runs in groups:
+                    self._copy(src, dst, runs)
+                if imm is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    marks.append((event, imm))
+            final = torch.cuda.Event()
+            final.record(self._stream)
+        self._links[peer].submit((marks, final), wr_id)
+
+    def poll(self) -> Polled:
+        with self._lock:
+            done, self._completions = self._completions, []
+        return Polled(done, self._server.take_immediates())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links.values():
+            link.close()
+        self._server.close()
+        self._remote.clear()
+        self._rows.clear()

@@ -1,0 +1,224 @@
+"""Step time of one forward pass from the batch shape: a roofline with named efficiencies.
+
+Per GPU of a node that runs `dp` attention groups of `tp` ranks (experts spread over all of the
+node's GPUs), a step costs, summed over its parts:
+- dense GEMMs (attention projections, dense MLPs, shared experts, LM head):
+  max(FLOPs / (peak * gemm_efficiency), weight bytes / (HBM * memory_efficiency));
+- MoE experts: FLOPs of the routed tokens vs. bytes of the distinct experts they touch
+  (expected distinct experts E * (1 - (1 - k/E)^T) per layer for T tokens);
+- attention: FLOPs by qo_len x kv_len vs. the KV bytes read (MLA's latent is replicated
+  under TP, so each rank reads all of it);
+- communication: two TP all-reduces per layer over NVLink (ring), or with DP attention the
+  MoE dispatch/combine all-to-all;
+- fixed overhead per step and per layer (launches, scheduling, sampling).
+Every sum over sequences is precomputed by the caller, so a step costs O(1) here.
+`decode_line(batch)` gives (a, b) with step time a + b * total_context for decode-only batches,
+which lets a decode node run many identical steps as one event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from disagg.config import CostConfig, Experiment, GroupConfig, SpecConfig
+from disagg.errors import ConfigError
+from disagg.hardware import GPU
+from disagg.models import ModelSpec, dtype_bytes
+
+
+QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per tile)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A batch as the cost model sees it.
+
+    prefill_tokens: new prompt tokens in the step; prefill_attn_pairs: sum over chunks of
+    (query, key) pairs, i.e. n*c + n*(n+1)/2 for a chunk of n tokens after c cached ones;
+    decode_seqs: decoding sequences; decode_context: their cached tokens, summed.
+    """
+
+    prefill_tokens: int = 0
+    prefill_attn_pairs: float = 0.0
+    decode_seqs: int = 0
+    decode_context: float = 0.0
+
+
+def chunk_attn_pairs(start: int, tokens: int) -> float:
+    """(query, key) pairs of a causal chunk of `tokens` tokens after `start` cached tokens."""
+    return tokens * start + tokens * (tokens + 1) / 2
+
+
+class RooflineCost:
+    """Roofline step times for one node group (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GPU,
+        group: GroupConfig,
+        cost: CostConfig,
+        spec: SpecConfig,
+        weight_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+    ) -> None:
+        self.model, self.gpu, self.group, self.cost = model, gpu, group, cost
+        self.decode_qo = 1 + spec.draft_tokens
+        self.wbytes = dtype_bytes(weight_dtype)
+        self.flops = gpu.flops(weight_dtype) * cost.gemm_efficiency
+        self.attn_flops = gpu.bf16_flops * cost.attention_efficiency
+        self.hbm = gpu.hbm_bandwidth_bps * cost.memory_efficiency
+        self.gpus = group.tp * group.dp
+        m = model
+        kv_shards = 1 if m.attention == "mla" else min(group.tp, m.kv_heads)
+        # KV bytes one GPU reads per cached token (all layers)
+        self.kv_read_per_token = m.kv_bytes_per_token(kv_dtype) / kv_shards / group.dp
+        per_rank = group.tp * group.dp
+        self.attn_flops_per_pair = m.layers * m.attn_flops(1) / per_rank  # decode (absorbed)
+        self.prefill_flops_per_pair = m.layers * m.attn_flops(1, absorbed=False) / per_rank
+        dense_params = m.active_params_per_token - m.moe_layers * (
+            m.experts_per_token * m.expert_params
+        )
+        self.dense_flops_per_token = 2 * dense_params / self.gpus
+        self.dense_bytes = dense_params * self.wbytes / self.gpus
+        self.step_fixed_s = cost.step_overhead_s + m.layers * cost.layer_overhead_s
+
+    # ---- parts -------------------------------------------------------------------------
+    def _gemm(self, tokens: int) -> float:
+        m = self.model
+        dense = max(tokens * self.dense_flops_per_token / self.flops, self.dense_bytes / self.hbm)
+        if not m.is_moe or tokens == 0:
+            return dense
+        routed = tokens * m.experts_per_token
+        distinct = m.experts * (1 - (1 - m.experts_per_token / m.experts) ** tokens)
+        moe_flops = 2 * routed * m.expert_params * m.moe_layers / self.gpus
+        moe_bytes = distinct * m.expert_params * m.moe_layers * self.wbytes / self.gpus
+        return dense + max(moe_flops / self.flops, moe_bytes / self.hbm)
+
+    def _comm(self, tokens: int) -> float:
+        m, g = self.model, self.group
+        act = tokens * m.hidden * 2  # bf16 activations
+        nvlink = self.gpu.nvlink_bandwidth_bps * self.cost.allreduce_efficiency
+        t = 0.0
+        if g.tp > 1:  # two ring all-reduces per layer
+            t += 2 * m.layers * 2 * (g.tp - 1) / g.tp * act / nvlink
+        if g.dp > 1 and m.is_moe:  # dispatch + combine of each token's top-k hidden states
+            t += m.moe_layers * 2 * act * m.experts_per_token / self.gpus / nvlink
+        return t
+
+    def _attention(self, pairs: float, context: float, flops_per_pair: float) -> float:
+        flops = pairs * flops_per_pair
+        return max(flops / self.attn_flops, context * self.kv_read_per_token / self.hbm)
+
+    # ---- public ------------------------------------------------------------------------
+    def step_time(self, s: StepShape) -> float:
+        """Seconds for one forward pass of batch shape `s`."""
+        tokens = s.prefill_tokens + s.decode_seqs * self.decode_qo
+        if tokens == 0:
+            return 0.0
+        return (
+            self.step_fixed_s
+            + self._gemm(tokens)
+            + self._comm(tokens)
+            # flash attention reads each key once per tile of queries
+            + self._attention(
+                s.prefill_attn_pairs, s.prefill_attn_pairs / QUERY_TILE, self.prefill_flops_per_pair
+            )
+            + self._attention(
+                s.decode_context * self.decode_qo, s.decode_context, self.attn_flops_per_pair
+            )
+        )
+
+    def decode_line(self, seqs: int) -> tuple[float, float]:
+        """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K."""
+        tokens = seqs * self.decode_qo
+        a = self.step_fixed_s + self._gemm(tokens) + self._comm(tokens)
+        b = max(
+            self.decode_qo * self.attn_flops_per_pair / self.attn_flops,
+            self.kv_read_per_token / self.hbm,
+        )
+        return a, b
+
+
+class ProfileCost:
+    """Step times interpolated from a table measured by `disagg hw profile`.
+
+    The CSV has columns kind ("prefill"/"decode"), tokens, batch, context, duration_s. Prefill
+    rows give a pass of `tokens` new tokens after `context` cached ones; decode rows a pass of
+    `batch` sequences of `context` cached tokens each. Values outside the grid extrapolate
+    linearly in tokens (prefill) and context (decode). The table must come from the same model
+    and depth as the experiment.
+    """
+
+    def __init__(self, path: Path, decode_qo: int = 1) -> None:
+        import pandas as pd
+
+        try:
+            df = pd.read_csv(path)
+        except FileNotFoundError:
+            raise ConfigError(f"cost profile {path} not found") from None
+        missing = {"kind", "tokens", "batch", "context", "duration_s"} - set(df.columns)
+        if missing:
+            raise ConfigError(f"cost profile {path}: missing columns {sorted(missing)}")
+        self.decode_qo = decode_qo
+        self.prefill = df[df.kind == "prefill"].groupby(["context", "tokens"]).duration_s.median()
+        self.decode = df[df.kind == "decode"].groupby(["batch", "context"]).duration_s.median()
+        if self.prefill.empty or self.decode.empty:
+            raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
+
+    def _prefill_time(self, tokens: int, context: float) -> float:
+        contexts = sorted({c for c, _ in self.prefill.index})
+        per_ctx = []
+        for c in contexts:
+            row = self.prefill.loc[c]
+            xs, ys = row.index.to_numpy(float), row.to_numpy(float)
+            per_ctx.append(_interp_lin(tokens, xs, ys))
+        return _interp_lin(context, np.array(contexts, float), np.array(per_ctx))
+
+    def decode_line(self, seqs: int) -> tuple[float, float]:
+        batches = np.array(sorted({b for b, _ in self.decode.index}), float)
+        lines = []
+        for b in batches:
+            row = self.decode.loc[int(b)]
+            slope, icept = np.polyfit(row.index.to_numpy(float), row.to_numpy(float), 1) \
+                if len(row) > 1 else (0.0, float(row.iloc[0]))
+            lines.append((icept, slope / b))
+        a = _interp_lin(seqs, batches, np.array([x for x, _ in lines]))
+        per_token = _interp_lin(seqs, batches, np.array([y for _, y in lines]))
+        return a, max(per_token, 0.0)
+
+    def step_time(self, s: StepShape) -> float:
+        t = 0.0
+        if s.prefill_tokens:
+            n = s.prefill_tokens
+            context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0)
+            t += self._prefill_time(n, context)
+        if s.decode_seqs:
+            a, b = self.decode_line(s.decode_seqs)
+            t += a + b * s.decode_context
+        return t
+
+
+def _interp_lin(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Piecewise-linear interpolation that extrapolates the end segments."""
+    if len(xs) == 1:
+        return float(ys[0]) * (x / xs[0] if xs[0] else 1.0)
+    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return float(max(ys[i] + w * (ys[i + 1] - ys[i]), 0.0))
+
+
+CostModel = RooflineCost | ProfileCost
+
+
+def make_cost_model(exp: Experiment, group: GroupConfig) -> CostModel:
+    """The experiment's cost model for one node group (roofline or a measured profile)."""
+    qo = 1 + exp.spec.draft_tokens
+    if exp.cost.source.startswith("profile:"):
+        path = Path(exp.cost.source.removeprefix("profile:"))
+        return ProfileCost(path if path.is_absolute() else Path(exp.base_dir) / path, qo)
+    return RooflineCost(exp.model.spec, exp.hardware.gpu_spec, group, exp.cost, exp.spec,
+                        exp.model.weight_dtype, exp.model.kv_dtype)

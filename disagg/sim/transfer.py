@@ -1,0 +1,125 @@
+"""What a posted write list costs on the simulated network, from the core's transfer plan.
+
+Each request gets a transfer plan (which prefill DP group and which decode DP group hold it,
+and which prefill replica feeds which decode replica, drawn from the run's seeded rng). A
+PostWrites of P pages and L layers puts, on the NIC nearest each sending rank, that rank's
+bytes and write operations times P*L; the immediates it delivers per decode rank come from the
+same plan. Plans are cached: a run draws from a few per pair of DP groups.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import simpy
+
+from disagg.config import Experiment
+from disagg.core.messenger import PostMetadata, PostWrites
+from disagg.core.metrics import Recorder
+from disagg.core.request import Request
+from disagg.core.sharding import ShardLayout, TransferPlan, plan_transfer, shard_layout
+from disagg.sim.network import Network
+
+PLANS_PER_PAIR = 8  # distinct replica assignments drawn per (prefill group, decode group)
+METADATA = "hidden"  # hidden state of the token before the last prompt token (MTP / drafts)
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """A plan's per-page-per-layer load on each sending NIC, and its immediates."""
+
+    plan: TransferPlan
+    bytes_by_nic: dict[int, int]
+    ops_by_nic: dict[int, int]
+    imms_by_rank: dict[int, int]
+    metadata_nic: int
+    metadata_bytes: int
+
+
+class TransferModel:
+    def __init__(self, exp: Experiment, network: Network, rng: random.Random) -> None:
+        self.exp, self.network, self.rng = exp, network, rng
+        self.node = exp.hardware.node
+        self.layers = exp.model.spec.layers
+        self.layerwise = exp.transfer.policy == "layerwise"
+        self.plans: dict[int, PlanCost] = {}
+        self._cache: dict[tuple[int, int, int], PlanCost] = {}
+        c, spec = exp.cluster, exp.model.spec
+        self.src: ShardLayout | None = None
+        self.dst: ShardLayout | None = None
+        if c.mode == "disagg":
+            self.src = shard_layout(spec, c.prefill.tp, c.prefill.dp)
+            self.dst = shard_layout(spec, c.decode.tp, c.decode.dp)
+
+    def add_nics(self, prefills: int, decodes: int) -> None:
+        for p in range(prefills):
+            for n in range(self.node.nics):
+                self.network.add_nic(("prefill", p, n), self.node.nic)
+
+    def choose_plan(self, req: Request) -> None:
+        """Draw the request's prefill group, decode group and replica assignment."""
+        assert self.src is not None and self.dst is not None
+        key = (self.rng.randrange(self.src.dp), self.rng.randrange(self.dst.dp),
+               self.rng.randrange(PLANS_PER_PAIR))
+        if key not in self._cache:
+            self._cache[key] = self._plan_cost(*key)
+        self.plans[req.id] = self._cache[key]
+
+    def _plan_cost(self, src_group: int, dst_group: int, variant: int) -> PlanCost:
+        assert self.src is not None and self.dst is not None
+        kv = self.exp.kv
+        plan = plan_transfer(
+            self.src, self.dst, kv.page_size, kv.layout, self.exp.model.kv_dtype,
+            random.Random(hash((self.exp.seed, src_group, dst_group, variant))),
+            src_dp_rank=src_group, dst_dp_rank=dst_group,
+        )
+        by_nic_bytes: dict[int, int] = {}
+        by_nic_ops: dict[int, int] = {}
+        for rank, nbytes in plan.bytes_by_src_rank().items():
+            nic = self.node.nic_of_gpu(rank)
+            by_nic_bytes[nic] = by_nic_bytes.get(nic, 0) + nbytes
+        for rank, ops in plan.ops_by_src_rank().items():
+            nic = self.node.nic_of_gpu(rank)
+            by_nic_ops[nic] = by_nic_ops.get(nic, 0) + ops
+        meta = plan.metadata(METADATA)
+        return PlanCost(plan, by_nic_bytes, by_nic_ops, plan.imms_per_page_layer_by_dst_rank(),
+                        self.node.nic_of_gpu(meta.src_rank), meta.nbytes)
+
+    def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
+        """Immediates each decode rank counts for `req` (the decoder knows the plan)."""
+        return self.plans[req.id].plan.expected_immediates(pages, self.layers, metadata=True)
+
+    def immediates(self, req: Request, cmd: PostWrites | PostMetadata) -> dict[int, int]:
+        pc = self.plans[req.id]
+        if isinstance(cmd, PostMetadata):
+            return {pc.plan.dst_leader: 1}
+        units = cmd.imm_pages * len(cmd.layers)
+        return {rank: n * units for rank, n in pc.imms_by_rank.items() if n * units}
+
+    def post(self, prefill: int, req: Request, cmd: PostWrites | PostMetadata,
+             step: tuple[float, float] | None,
+             rec: Recorder) -> Generator[simpy.Event, Any, None]:
+        """Move the bytes of one post; layer-wise posts start when their first layer is
+        produced and cannot end before their last layer is produced and sent."""
+        pc, env = self.plans[req.id], self.network.env
+        if isinstance(cmd, PostMetadata):
+            load = {pc.metadata_nic: (pc.metadata_bytes, 1)}
+        else:
+            units = len(cmd.src_pages) * len(cmd.layers)
+            load = {n: (b * units, pc.ops_by_nic[n] * units) for n, b in pc.bytes_by_nic.items()}
+        work = {("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
+                for n, (b, o) in load.items()}
+        start, not_before = env.now, 0.0
+        if step is not None and self.layerwise and isinstance(cmd, PostWrites):
+            t0, step_s = step
+            per_layer = step_s / self.layers
+            start = t0 + per_layer * (cmd.layers.start + 1)
+            not_before = t0 + per_layer * cmd.layers.stop + max(work.values()) / len(cmd.layers)
+        if start > env.now:
+            yield env.timeout(start - env.now)
+        rec.transfer(req, sum(b for b, _ in load.values()), sum(o for _, o in load.values()),
+                     env.now)
+        yield self.network.transfer(work, not_before)

@@ -1,0 +1,145 @@
+"""Paged attention: the reference against dense attention, FlashInfer against the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagg.core.kvcache import pages_for
+from disagg.errors import ConfigError
+from disagg.hw.attention import AttnShape, TorchAttention, import_flashinfer, make_attention
+from disagg.hw.batch import BatchMeta, Seq
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# CPU: toy head sizes and pages of 4. GPU: the sizes FlashInfer builds kernels for (GQA head_dim
+# 128 with group 4; MLA latent 512 + rope 64, DeepSeek-V3's scale 1/sqrt(192)).
+CPU_SHAPES = {
+    "HND": AttnShape(8, 2, 32, 4, 32**-0.5, layout="HND"),
+    "NHD": AttnShape(8, 2, 32, 4, 32**-0.5, layout="NHD"),
+    "MLA": AttnShape(4, 1, 32, 4, 24**-0.5, mla=True, rope_dim=8),
+}
+GPU_SHAPES = {
+    "HND": AttnShape(8, 2, 128, 16, 128**-0.5, layout="HND"),
+    "NHD": AttnShape(8, 2, 128, 16, 128**-0.5, layout="NHD"),
+    "MLA": AttnShape(16, 1, 512, 16, 192**-0.5, mla=True, rope_dim=64),
+}
+PREFILL = [(0, 37), (50, 20), (129, 1), (16, 64)]  # (cached, new) per sequence: mixed chunks
+DECODE = [(0, 1), (17, 1), (300, 1), (63, 1)]
+
+
+def _cache(shape: AttnShape, num_pages: int, gen: torch.Generator) -> torch.Tensor:
+    """Random pages (garbage beyond each sequence's tokens catches over-reads)."""
+    if shape.mla:
+        dims: tuple[int, ...] = (shape.page_size, shape.head_dim + shape.rope_dim)
+    elif shape.layout == "HND":
+        dims = (2, shape.kv_heads, shape.page_size, shape.head_dim)
+    else:
+        dims = (2, shape.page_size, shape.kv_heads, shape.head_dim)
+    return torch.randn((num_pages, *dims), generator=gen)
+
+
+def _dense_kv(cache: torch.Tensor, pages: list[int], n: int, shape: AttnShape) -> torch.Tensor:
+    """Read tokens 0..n-1 back token by token (independent of gather_pages)."""
+    rows = []
+    for t in range(n):
+        p, o = pages[t // shape.page_size], t % shape.page_size
+        if shape.mla:
+            rows.append(cache[p, o])
+        elif shape.layout == "HND":
+            rows.append(cache[p, :, :, o])  # [2, H, D]
+        else:
+            rows.append(cache[p, :, o])
+    return torch.stack(rows, dim=-3 if not shape.mla else 0)
+
+
+def _problem(shape: AttnShape, lens: list[tuple[int, int]], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    need = [pages_for(c + n, shape.page_size) for c, n in lens]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    seqs, at = [], 0
+    for (c, n), k in zip(lens, need, strict=True):
+        seqs.append(Seq.of([1] * n, c, perm[at : at + k]))
+        at += k
+    cache = _cache(shape, len(perm), gen)
+    t = sum(n for _, n in lens)
+    q = torch.randn(t, shape.heads, shape.head_dim, generator=gen)
+    q_pe = torch.randn(t, shape.heads, shape.rope_dim, generator=gen) if shape.mla else None
+    return seqs, cache, q, q_pe
+
+
+def _sdpa(q, k, v, scale):
+    """Dense causal attention by torch's SDPA. q [L, Hq, D], k/v [S, Hkv, D]."""
+    s, n = k.shape[0], q.shape[0]
+    mask = torch.ones(n, s, dtype=torch.bool).tril(diagonal=s - n)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("lens", [PREFILL, DECODE], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["HND", "NHD", "MLA"])
+def test_reference_equals_dense_unpaged_attention(kind: str, lens: list[tuple[int, int]]) -> None:
+    shape = CPU_SHAPES[kind]
+    seqs, cache, q, q_pe = _problem(shape, lens)
+    ref = TorchAttention(shape)
+    ref.plan(BatchMeta.of(seqs, shape.page_size, cache.shape[0]))
+    out = ref.run(cache, q, q_pe)
+    row = 0
+    for s in seqs:
+        n = len(s.tokens)
+        kv = _dense_kv(cache, list(s.pages), s.end, shape)
+        if shape.mla:
+            qq = torch.cat([q[row : row + n], q_pe[row : row + n]], -1)
+            want = _sdpa(qq, kv[:, None], kv[:, None, : shape.head_dim], shape.sm_scale)
+        else:
+            want = _sdpa(q[row : row + n], kv[0], kv[1], shape.sm_scale)
+        torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-5)
+        row += n
+
+
+def test_a_sequence_without_enough_pages_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="need 2 pages"):
+        BatchMeta.of([Seq.of([1, 2, 3], 4, [0])], page_size=4, num_pages=8)
+
+
+def test_flashinfer_needs_cuda() -> None:
+    with pytest.raises(ConfigError, match="CUDA"):
+        make_attention("flashinfer", GPU_SHAPES["HND"], torch.device("cpu"))
+
+
+def test_missing_flashinfer_says_how_to_install() -> None:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"pip install disagg\[gpu\]"):
+            import_flashinfer()
+    else:
+        pytest.skip("flashinfer is installed")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [PREFILL, DECODE], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["HND", "NHD", "MLA"])
+def test_flashinfer_matches_reference(kind: str, lens: list[tuple[int, int]]) -> None:
+    shape = GPU_SHAPES[kind]
+    seqs, cache, q, q_pe = _problem(shape, lens, seed=1)
+    dev = torch.device("cuda")
+    cache, q = cache.to(dev, torch.bfloat16), q.to(dev, torch.bfloat16)
+    q_pe = q_pe.to(dev, torch.bfloat16) if q_pe is not None else None
+    meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
+    fi, ref = make_attention("flashinfer", shape, dev), TorchAttention(shape)
+    fi.plan(meta)
+    ref.plan(meta)
+    got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-2 * max(1.0, scale), f"max error {err} (output scale {scale})"
+    assert math.isfinite(err)

@@ -1,0 +1,38 @@
+"""The step-time profile: the table the simulator's cost model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from disagg.hw.profile import COLUMNS, profile, write_csv
+from disagg.hw.specs import tiny_gqa
+
+
+def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
+    df = profile(
+        tiny_gqa(layers=4),
+        layers=2,
+        device="cpu",
+        prefill_tokens=(8, 32),
+        prefill_context=(0, 16),
+        decode_batch=(1, 4),
+        decode_context=(8,),
+        page_size=4,
+        warmup=1,
+        repeats=3,
+    )
+    assert list(df.columns) == COLUMNS == ["kind", "tokens", "batch", "context", "duration_s"]
+    prefill, decode = df[df.kind == "prefill"], df[df.kind == "decode"]
+    assert sorted(zip(prefill.tokens, prefill.context, strict=True)) == [
+        (8, 0),
+        (8, 16),
+        (32, 0),
+        (32, 16),
+    ]
+    assert (prefill.batch == 1).all()
+    assert list(decode.tokens) == list(decode.batch) == [1, 4] and (decode.context == 8).all()
+    assert (df.duration_s > 0).all()
+    back = pd.read_csv(write_csv(df, tmp_path / "gpu_profile.csv"))
+    pd.testing.assert_frame_equal(back, df)

@@ -1,0 +1,121 @@
+"""The cuda wire: IPC peer copies between two processes (on one GPU or two), immediates only
+after the copies, a dead peer named in the failure. Run coalescing is tested without a GPU."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from disagg.errors import TransportError
+from disagg.hw.transport import make_transport
+from disagg.hw.transport.base import Completion, Transport, Unit, Write
+from disagg.hw.transport.cuda import as_arrays, coalesce
+from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ORDER, SCATTER = 1 << 16, 1 << 20
+
+
+def _peer_device() -> str:
+    """The receiver's GPU: a second one when visible, else the same one (IPC on one GPU)."""
+    return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
+def _sender(r: ReceiverProcess, src: torch.Tensor) -> Transport:
+    wire = make_transport("cuda", endpoint="prefill0")
+    wire.register("src", src)
+    wire.connect("decode0", r.info, r.descs)
+    return wire
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides() -> None:
+    ws = [
+        Write("a", 0, "b", 100, 10),
+        Write("a", 10, "b", 110, 5),
+        Write("a", 15, "b", 200, 5),
+        Write("a", 20, "b", 205, 5),
+        Write("c", 25, "b", 210, 5),
+    ]
+    (ab, cb) = as_arrays(ws)
+    assert (ab.src, ab.dst, cb.src) == ("a", "b", "c")
+    s, d, n = coalesce(ab)
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 15], [100, 200], [15, 10])
+    assert [w.nbytes for w in ab] == [10, 5, 5, 5] and ab[1] == ws[1]
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_registration_carries_an_ipc_handle() -> None:
+    wire = make_transport("cuda")
+    d = wire.register("kv", torch.zeros(3, 5, dtype=torch.bfloat16, device="cuda"))
+    assert (d.wire, d.nbytes) == ("cuda", 30) and d.info["ipc"]
+    with pytest.raises(TransportError, match="CUDA tensors only"):
+        wire.register("host", torch.zeros(4))
+    wire.close()
+    wire.close()
+    with pytest.raises(TransportError, match="closed"):
+        wire.register("x", torch.zeros(4, device="cuda"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order() -> None:
+    r = ReceiverProcess("cuda", (ORDER, SCATTER), _peer_device(), "decode0")
+    try:
+        rng = random.Random(0)
+        src = torch.randint(0, 256, (SCATTER,), dtype=torch.uint8, device="cuda")
+        n = ORDER // SLOT
+        slots = torch.tensor(list(b"".join(slot_bytes(k) for k in range(n))), dtype=torch.uint8)
+        src[:ORDER] = slots.cuda()
+        torch.cuda.synchronize()
+        wire = _sender(r, src)
+        # scatter: 400 disjoint 256-byte slots of r1, random sources and sizes, two units
+        starts = sorted(rng.sample(range(0, SCATTER - 256, 256), 400))
+        writes = [
+            Write("src", rng.randrange(SCATTER - 200), "r1", s, rng.randrange(1, 200))
+            for s in starts
+        ]
+        wire.post("decode0", [Unit(writes[:200]), Unit(writes[200:])], wr_id=0)
+        assert wait_completions(wire, 1) == [Completion(0, True)]
+        want = torch.zeros(SCATTER, dtype=torch.uint8)
+        host = src.cpu()
+        for w in writes:
+            want[w.dst_offset : w.dst_offset + w.nbytes] = host[
+                w.src_offset : w.src_offset + w.nbytes
+            ]
+        assert r.ask("read", 1) == bytes(want.numpy().tobytes())
+        # order: unit k copies slot k and carries immediate k; 40 batches
+        per = n // 40
+        for b in range(40):
+            units = [
+                Unit([Write("src", k * SLOT, "r0", k * SLOT, SLOT)], imm=k)
+                for k in range(b * per, (b + 1) * per)
+            ]
+            wire.post("decode0", units, wr_id=1 + b)
+        imms, violations = r.ask("wait", 40 * per, True, 60)  # type: ignore[misc]
+        assert imms == list(range(40 * per)) and violations == 0
+        done = wait_completions(wire, 40)
+        assert [c.wr_id for c in done] == list(range(1, 41)) and all(c.ok for c in done)
+        wire.close()
+    finally:
+        r.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_dead_peer_fails_with_its_name() -> None:
+    r = ReceiverProcess("cuda", (ORDER,), _peer_device(), "decode0")
+    wire = _sender(r, torch.zeros(ORDER, dtype=torch.uint8, device="cuda"))
+    r.proc.kill()
+    r.proc.join(10)
+    failed: list[Completion] = []
+    deadline, wr_id = time.monotonic() + 20, 0
+    while not failed and time.monotonic() < deadline:
+        wire.post("decode0", [Unit([], imm=wr_id)], wr_id=wr_id)
+        wr_id += 1
+        failed = [c for c in wait_completions(wire, 1, timeout_s=0.5) if not c.ok]
+    assert failed and "decode0" in failed[0].error
+    wire.close()

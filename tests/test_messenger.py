@@ -1,0 +1,300 @@
+"""The KV messenger protocol, both sides, driven by hand: every rule and every failure path."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.core.kvcache import PagePool
+from disagg.core.messenger import (
+    CancelTransfer,
+    DecodeMessenger,
+    Failed,
+    PostMetadata,
+    PostWrites,
+    Prefill,
+    PrefillMessenger,
+    PrefillRejected,
+    PrefillRequest,
+    Ready,
+    Retry,
+    Send,
+    TransferAborted,
+    Unschedule,
+)
+from disagg.core.request import Request, Status
+from disagg.errors import ProtocolError
+
+LAYERS = 4
+PAGE = 16
+PREFILL, DECODE = 0, 1
+
+
+def expected_one_rank(req: Request, prefill_node: int, pages: int) -> dict[int, int]:
+    """One source rank per destination rank, plus the metadata write."""
+    return {0: pages * LAYERS + 1}
+
+
+def sides(decode_pages: int = 64, prefill_pages: int = 64, policy: str = "layerwise",
+          timeout_s: float = float("inf")) -> tuple[DecodeMessenger, PrefillMessenger]:
+    dec = DecodeMessenger(DECODE, PagePool(decode_pages, PAGE, "decode"), expected_one_rank,
+                          timeout_s=timeout_s)
+    pre = PrefillMessenger(PREFILL, PagePool(prefill_pages, PAGE, "prefill"), LAYERS,
+                           policy=policy)  # type: ignore[arg-type]
+    return dec, pre
+
+
+def handoff(dec: DecodeMessenger, pre: PrefillMessenger, req: Request) -> PrefillRequest:
+    (send,) = dec.submit(req, PREFILL)
+    assert isinstance(send, Send) and send.node == PREFILL
+    assert isinstance(send.msg, PrefillRequest)
+    assert pre.on_message(send.msg) == [Prefill(req.id, req.prompt_tokens - 1)]
+    return send.msg
+
+
+def run_chunk(pre: PrefillMessenger, req_id: int, start: int, tokens: int,
+              counter_steps: tuple[int, ...] = (1, 3, LAYERS)) -> list:
+    cmds = pre.on_batch([(req_id, start, tokens)])
+    for n in counter_steps:
+        cmds += pre.on_layers(n)
+    return cmds + pre.on_batch_done()
+
+
+def land(dec: DecodeMessenger, cmds: list) -> list:
+    """Deliver every write of `cmds` to the decoder, counting one immediate per flagged page
+    per layer (one source rank) and one for the metadata."""
+    out = []
+    for c in cmds:
+        if isinstance(c, PostWrites):
+            out += dec.on_immediates(c.slot, c.imm_pages * len(c.layers))
+        elif isinstance(c, PostMetadata):
+            out += dec.on_immediates(c.slot, 1)
+    return out
+
+
+def complete_posts(pre: PrefillMessenger, cmds: list) -> list:
+    out = []
+    for c in cmds:
+        if isinstance(c, PostWrites | PostMetadata):
+            out += pre.on_posted(c.req_id)
+    return out
+
+
+def test_decode_reserves_prompt_plus_output_and_sends_pages_of_prompt_minus_one() -> None:
+    dec, pre = sides()
+    req = Request(7, 0.0, prompt_tokens=40, output_tokens=30)
+    msg = handoff(dec, pre, req)
+    assert dec.pool.pages_of(7) == list(range(5))  # ceil(70 / 16) pages, pinned
+    assert dec.pool.is_pinned(7)
+    assert msg.dst_pages == (0, 1, 2)  # 39 tokens -> 3 pages travel
+    assert pre.pool.pages_of(7) == [0, 1, 2]
+    assert req.status is Status.RESERVED
+
+
+def test_layerwise_writes_follow_the_counter_and_request_becomes_ready() -> None:
+    dec, pre = sides()
+    req = Request(1, 0.0, prompt_tokens=40, output_tokens=8)
+    handoff(dec, pre, req)
+    cmds = run_chunk(pre, 1, 0, 39)
+    posts = [c for c in cmds if isinstance(c, PostWrites)]
+    assert [p.layers for p in posts] == [range(0, 1), range(1, 3), range(3, 4)]
+    assert all(p.imm == (True, True, True) for p in posts)
+    assert isinstance(cmds[-1], PostMetadata)
+    assert land(dec, cmds) == [Ready(1)]
+    assert req.status is Status.READY
+    assert complete_posts(pre, cmds) == []
+    assert pre.pool.free_pages == 64 and not pre.outbound  # freed after its posts completed
+
+
+def test_counter_jumps_and_repeats_post_each_layer_once() -> None:
+    dec, pre = sides()
+    handoff(dec, pre, Request(1, 0.0, 20, 4))
+    cmds = run_chunk(pre, 1, 0, 19, counter_steps=(2, 2, 1, 4, 4))
+    layers = [layer for c in cmds if isinstance(c, PostWrites) for layer in c.layers]
+    assert layers == [0, 1, 2, 3]
+
+
+def test_chunked_prefill_resends_cut_page_and_counts_it_once() -> None:
+    dec, pre = sides()
+    req = Request(3, 0.0, prompt_tokens=51, output_tokens=5)  # 50 tokens travel: 4 pages
+    msg = handoff(dec, pre, req)
+    first = run_chunk(pre, 3, 0, 20)  # tokens 0..19: page 0 complete, page 1 cut
+    w1 = [c for c in first if isinstance(c, PostWrites)]
+    assert w1[0].dst_pages == msg.dst_pages[0:2] and w1[0].imm == (True, False)
+    assert not any(isinstance(c, PostMetadata) for c in first)
+    assert land(dec, first) == []
+    second = run_chunk(pre, 3, 20, 30)  # tokens 20..49: pages 1..3, page 3 is the last
+    w2 = [c for c in second if isinstance(c, PostWrites)]
+    assert w2[0].dst_pages == msg.dst_pages[1:4] and w2[0].imm == (True, True, True)
+    assert land(dec, second) == [Ready(3)]
+    assert dec.inbound == {}
+    # pages are freed only once every post of every chunk completed
+    complete_posts(pre, first)
+    assert pre.pool.used_pages == 4
+    complete_posts(pre, second)
+    assert pre.pool.used_pages == 0
+
+
+def test_whole_request_policy_posts_once_after_last_chunk() -> None:
+    dec, pre = sides(policy="whole")
+    handoff(dec, pre, Request(2, 0.0, 51, 5))
+    first = run_chunk(pre, 2, 0, 20)
+    assert first == []
+    second = run_chunk(pre, 2, 20, 30)
+    (post, meta) = second
+    assert isinstance(post, PostWrites) and post.layers == range(LAYERS)
+    assert post.src_pages == (0, 1, 2, 3) and all(post.imm)
+    assert isinstance(meta, PostMetadata)
+    assert land(dec, second) == [Ready(2)]
+
+
+def test_over_count_is_a_protocol_error_and_stale_immediates_are_counted() -> None:
+    dec, pre = sides()
+    msg = handoff(dec, pre, Request(1, 0.0, 17, 2))
+    with pytest.raises(ProtocolError, match="expected 5"):
+        dec.on_immediates(msg.slot, 6)
+    assert dec.on_immediates(999, 3) == []
+    assert dec.stale_immediates == 3
+
+
+def test_one_token_prompt_is_ready_without_prefill() -> None:
+    dec, _ = sides()
+    assert dec.submit(Request(1, 0.0, 1, 4), PREFILL) == [Ready(1)]
+    assert dec.pool.used_pages == 1
+
+
+def test_decode_pool_too_small_ever_fails_with_reason() -> None:
+    dec, _ = sides(decode_pages=2)
+    req = Request(1, 0.0, 40, 10)
+    (failed,) = dec.submit(req, PREFILL)
+    assert isinstance(failed, Failed) and "needs 4 KV pages" in failed.reason
+    assert req.status is Status.FAILED and dec.pool.used_pages == 0
+
+
+def test_decode_pool_full_now_waits_in_order_then_proceeds_on_release() -> None:
+    dec, pre = sides(decode_pages=6)
+    a, b, c = (Request(i, 0.0, 40, 40) for i in range(3))  # 5 pages each
+    handoff(dec, pre, a)
+    assert dec.submit(b, PREFILL) == [] and dec.submit(c, PREFILL) == []
+    assert [r.id for r, _ in dec.waiting] == [1, 2]
+    (send,) = dec.release(0)
+    assert isinstance(send, Send) and isinstance(send.msg, PrefillRequest)
+    assert send.msg.req_id == 1 and [r.id for r, _ in dec.waiting] == [2]
+    dec.pool.check()
+
+
+def test_prefill_pool_too_small_rejects_and_decode_frees_and_fails() -> None:
+    dec, pre = sides(prefill_pages=2)
+    req = Request(1, 0.0, 60, 4)
+    (send,) = dec.submit(req, PREFILL)
+    (reply,) = pre.on_message(send.msg)
+    assert isinstance(reply, Send) and isinstance(reply.msg, PrefillRejected)
+    assert "prefill node 0" in reply.msg.reason
+    (failed,) = dec.on_message(reply.msg)
+    assert isinstance(failed, Failed) and req.status is Status.FAILED
+    assert dec.pool.used_pages == 0 and not dec.inbound
+
+
+def test_prefill_pool_full_queues_until_pages_free() -> None:
+    dec, pre = sides(prefill_pages=3)
+    handoff(dec, pre, Request(1, 0.0, 40, 4))
+    (send,) = dec.submit(Request(2, 0.0, 40, 4), PREFILL)
+    assert pre.on_message(send.msg) == []
+    cmds = run_chunk(pre, 1, 0, 39)
+    assert complete_posts(pre, cmds) == [Prefill(2, 39)]
+
+
+def test_failed_post_aborts_frees_both_sides_and_retries() -> None:
+    dec, pre = sides()
+    req = Request(1, 0.0, 40, 4)
+    handoff(dec, pre, req)
+    cmds = run_chunk(pre, 1, 0, 39)
+    posts = [c for c in cmds if isinstance(c, PostWrites | PostMetadata)]
+    assert pre.on_posted(1, ok=False, error="remote access error") == []  # others pending
+    for _ in posts[1:-1]:
+        pre.on_posted(1)
+    (abort,) = pre.on_posted(1)
+    assert isinstance(abort, Send) and isinstance(abort.msg, TransferAborted)
+    assert "remote access error" in abort.msg.reason
+    assert pre.pool.used_pages == 0
+    (retry,) = dec.on_message(abort.msg)
+    assert retry == Retry(1, abort.msg.reason)
+    assert dec.pool.used_pages == 0 and req.status is Status.QUEUED
+
+
+def test_retries_are_bounded() -> None:
+    dec, pre = sides()
+    req = Request(1, 0.0, 40, 4)
+    for attempt in range(1, 4):
+        msg = handoff(dec, pre, req)
+        (cmd,) = dec.on_message(TransferAborted(msg.req_id, "link down"))
+        pre.on_peer_dead(DECODE, "test reset")
+        expected = Retry if attempt < 3 else Failed
+        assert isinstance(cmd, expected)
+    assert req.status is Status.FAILED and "after 3 attempts" in req.fail_reason
+
+
+def test_timeout_cancels_and_pages_wait_for_prefill_ack() -> None:
+    dec, pre = sides(timeout_s=5.0)
+    req = Request(1, 0.0, 40, 4)
+    msg = handoff(dec, pre, req)
+    assert dec.check_timeouts(4.9) == []
+    (cancel,) = dec.check_timeouts(5.0)
+    assert isinstance(cancel.msg, CancelTransfer)
+    assert dec.check_timeouts(6.0) == []  # asked once
+    assert dec.pool.used_pages == 3  # prefill may still be writing: pages stay reserved
+    cmds = pre.on_message(cancel.msg)
+    assert cmds[0] == Unschedule(1)
+    (ack,) = cmds[1:]
+    assert isinstance(ack.msg, TransferAborted) and "timed out" in ack.msg.reason
+    assert pre.pool.used_pages == 0
+    (retry,) = dec.on_message(ack.msg)
+    assert isinstance(retry, Retry) and dec.pool.used_pages == 0
+    assert dec.on_immediates(msg.slot, 1) == []  # a late write is ignored, not counted
+
+
+def test_cancel_during_forward_pass_keeps_pages_until_pass_ends() -> None:
+    dec, pre = sides()
+    handoff(dec, pre, Request(1, 0.0, 40, 4))
+    pre.on_batch([(1, 0, 39)])
+    first = pre.on_layers(1)
+    cmds = pre.on_message(CancelTransfer(1, "timeout"))
+    assert cmds == [Unschedule(1)]
+    assert pre.on_layers(LAYERS) == []  # no more writes for a cancelled request
+    assert pre.pool.used_pages == 3  # the GPU is still writing these pages
+    assert pre.on_batch_done() == []
+    (ack,) = complete_posts(pre, first)
+    assert isinstance(ack.msg, TransferAborted) and pre.pool.used_pages == 0
+
+
+def test_dead_prefill_peer_frees_decode_pages_and_retries_every_request() -> None:
+    dec, pre = sides()
+    for i in range(3):
+        handoff(dec, pre, Request(i, 0.0, 40, 4))
+    cmds = dec.on_peer_dead(PREFILL, "connection reset")
+    assert [type(c) for c in cmds] == [Retry, Retry, Retry]
+    assert "prefill node 0 died: connection reset" in cmds[0].reason
+    assert dec.pool.used_pages == 0 and not dec.inbound
+
+
+def test_dead_decode_peer_frees_prefill_pages_without_a_message() -> None:
+    dec, pre = sides()
+    handoff(dec, pre, Request(1, 0.0, 40, 4))
+    assert pre.on_peer_dead(DECODE, "gone") == [Unschedule(1)]
+    assert pre.pool.used_pages == 0 and not pre.outbound
+
+
+def test_cancel_of_a_waiting_request_is_acknowledged() -> None:
+    dec, pre = sides(prefill_pages=3)
+    handoff(dec, pre, Request(1, 0.0, 40, 4))
+    (send,) = dec.submit(Request(2, 0.0, 40, 4), PREFILL)
+    pre.on_message(send.msg)
+    (ack,) = pre.on_message(CancelTransfer(2, "timeout"))
+    assert isinstance(ack.msg, TransferAborted) and not pre.waiting
+
+
+def test_chunk_of_unknown_request_and_bad_counter_are_protocol_errors() -> None:
+    _, pre = sides()
+    with pytest.raises(ProtocolError, match="unknown request 9"):
+        pre.on_batch([(9, 0, 10)])
+    with pytest.raises(ProtocolError, match="layer counter 5"):
+        pre.on_layers(LAYERS + 1)
