@@ -144,10 +144,10 @@ class CostConfig(_Frozen):
     source: str = "roofline"  # or "profile:PATH" (a CSV written by `disagg hw profile`)
     gemm_efficiency: float = Field(default=0.7, gt=0, le=1)
     attention_efficiency: float = Field(default=0.6, gt=0, le=1)
-    memory_efficiency: float = Field(default=0.8, gt=0, le=1)
+    memory_efficiency: float = Field(default=0.7, gt=0, le=1)
     allreduce_efficiency: float = Field(default=0.7, gt=0, le=1)
-    step_overhead_s: float = Field(default=0.002, ge=0)
-    layer_overhead_s: float = Field(default=20e-6, ge=0)
+    step_overhead_s: float = Field(default=0.003, ge=0)
+    layer_overhead_s: float = Field(default=50e-6, ge=0)
 
     @field_validator("source")
     @classmethod
@@ -223,8 +223,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def build_experiment(data: dict[str, Any], overrides: list[str] | None = None,
-                     source: str = "<built-in>") -> Experiment:
+def build_experiment(
+    data: dict[str, Any], overrides: list[str] | None = None, source: str = "<built-in>"
+) -> Experiment:
     """Validate a parsed experiment table, then apply `overrides` to the complete result (so
     an override changes one value and keeps every other, defaults included)."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
@@ -259,8 +260,9 @@ def _short(err: Any) -> bool:
     return not isinstance(err.get("input"), dict) and len(repr(err.get("input"))) < 80
 
 
-def load_experiment(path: str | Path | None = None,
-                    overrides: list[str] | None = None) -> Experiment:
+def load_experiment(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> Experiment:
     """Read an experiment TOML file (or the built-in default when `path` is None)."""
     if path is None:
         return build_experiment({}, overrides)

@@ -58,10 +58,22 @@ TB = 1e12
 GB = 1e9
 GIB = 1 << 30
 
-H100_SXM = GPU("H100-SXM", bf16_flops=989e12, fp8_flops=1979e12, hbm_bandwidth_bps=3.35 * TB,
-               hbm_bytes=80 * 10**9, nvlink_bandwidth_bps=450 * GB)
-H200_SXM = GPU("H200-SXM", bf16_flops=989e12, fp8_flops=1979e12, hbm_bandwidth_bps=4.8 * TB,
-               hbm_bytes=141 * 10**9, nvlink_bandwidth_bps=450 * GB)
+H100_SXM = GPU(
+    "H100-SXM",
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    hbm_bandwidth_bps=3.35 * TB,
+    hbm_bytes=80 * 10**9,
+    nvlink_bandwidth_bps=450 * GB,
+)
+H200_SXM = GPU(
+    "H200-SXM",
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    hbm_bandwidth_bps=4.8 * TB,
+    hbm_bytes=141 * 10**9,
+    nvlink_bandwidth_bps=450 * GB,
+)
 CONNECTX_7 = NIC("ConnectX-7", bandwidth_gbps=400, latency_s=3e-6, op_cost_s=0.25e-6)
 EFA = NIC("EFA", bandwidth_gbps=400, latency_s=15e-6, op_cost_s=1.0e-6)
 

@@ -93,8 +93,11 @@ class ModelSpec:
         h = self.hidden
         if self.attention == "mla":
             qk = self.qk_nope_dim + self.qk_rope_dim
-            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank \
+            q = (
+                h * self.q_lora_rank + self.q_lora_rank * self.heads * qk
+                if self.q_lora_rank
                 else h * self.heads * qk
+            )
             kv_a = h * (self.kv_lora_rank + self.qk_rope_dim)
             kv_b = self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
             o = self.heads * self.v_head_dim * h
@@ -194,22 +197,58 @@ class ModelSpec:
 
 
 LLAMA_31_8B = ModelSpec(
-    name="llama-3.1-8b", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
-    vocab=128256, intermediate=14336,
+    name="llama-3.1-8b",
+    hidden=4096,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab=128256,
+    intermediate=14336,
 )
 LLAMA_31_70B = ModelSpec(
-    name="llama-3.1-70b", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
-    vocab=128256, intermediate=28672,
+    name="llama-3.1-70b",
+    hidden=8192,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab=128256,
+    intermediate=28672,
 )
 QWEN3_CODER_480B = ModelSpec(
-    name="qwen3-coder-480b-a35b", hidden=6144, layers=62, heads=96, kv_heads=8, head_dim=128,
-    vocab=151936, intermediate=8192, experts=160, experts_per_token=8, moe_intermediate=2560,
+    name="qwen3-coder-480b-a35b",
+    hidden=6144,
+    layers=62,
+    heads=96,
+    kv_heads=8,
+    head_dim=128,
+    vocab=151936,
+    intermediate=8192,
+    experts=160,
+    experts_per_token=8,
+    moe_intermediate=2560,
 )
 DEEPSEEK_V3 = ModelSpec(
-    name="deepseek-v3", hidden=7168, layers=61, heads=128, head_dim=192, vocab=129280,
-    intermediate=18432, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128,
-    qk_rope_dim=64, v_head_dim=128, experts=256, experts_per_token=8, shared_experts=1,
-    moe_intermediate=2048, dense_layers=3, mtp_layers=1,
+    name="deepseek-v3",
+    hidden=7168,
+    layers=61,
+    heads=128,
+    head_dim=192,
+    vocab=129280,
+    intermediate=18432,
+    attention="mla",
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    experts=256,
+    experts_per_token=8,
+    shared_experts=1,
+    moe_intermediate=2048,
+    dense_layers=3,
+    mtp_layers=1,
 )
 
 MODELS: dict[str, ModelSpec] = {

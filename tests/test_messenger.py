@@ -34,12 +34,16 @@ def expected_one_rank(req: Request, prefill_node: int, pages: int) -> dict[int, 
     return {0: pages * LAYERS + 1}
 
 
-def sides(decode_pages: int = 64, prefill_pages: int = 64, policy: str = "layerwise",
-          timeout_s: float = float("inf")) -> tuple[DecodeMessenger, PrefillMessenger]:
-    dec = DecodeMessenger(DECODE, PagePool(decode_pages, PAGE, "decode"), expected_one_rank,
-                          timeout_s=timeout_s)
-    pre = PrefillMessenger(PREFILL, PagePool(prefill_pages, PAGE, "prefill"), LAYERS,
-                           policy=policy)  # type: ignore[arg-type]
+def sides(
+    decode_pages: int = 64,
+    prefill_pages: int = 64,
+    policy: str = "layerwise",
+    timeout_s: float = float("inf"),
+) -> tuple[DecodeMessenger, PrefillMessenger]:
+    dec = DecodeMessenger(
+        DECODE, PagePool(decode_pages, PAGE, "decode"), expected_one_rank, timeout_s=timeout_s
+    )
+    pre = PrefillMessenger(PREFILL, PagePool(prefill_pages, PAGE, "prefill"), LAYERS, policy=policy)  # type: ignore[arg-type]
     return dec, pre
 
 
@@ -51,8 +55,13 @@ def handoff(dec: DecodeMessenger, pre: PrefillMessenger, req: Request) -> Prefil
     return send.msg
 
 
-def run_chunk(pre: PrefillMessenger, req_id: int, start: int, tokens: int,
-              counter_steps: tuple[int, ...] = (1, 3, LAYERS)) -> list:
+def run_chunk(
+    pre: PrefillMessenger,
+    req_id: int,
+    start: int,
+    tokens: int,
+    counter_steps: tuple[int, ...] = (1, 3, LAYERS),
+) -> list:
     cmds = pre.on_batch([(req_id, start, tokens)])
     for n in counter_steps:
         cmds += pre.on_layers(n)

@@ -208,8 +208,9 @@ class DecodeMessenger:
             return [Ready(req.id)]
         slot = self._take_slot()
         expected = self.expected_imms(req, prefill_node, kv_pages)
-        self.inbound[slot] = _Inbound(req, prefill_node, slot, expected,
-                                      deadline_s=now_s + self.timeout_s)
+        self.inbound[slot] = _Inbound(
+            req, prefill_node, slot, expected, deadline_s=now_s + self.timeout_s
+        )
         self._slot_of[req.id] = slot
         msg = PrefillRequest(req.id, slot, self.node, req.prompt_tokens, tuple(dst[:kv_pages]))
         return [Send(prefill_node, msg)]
@@ -359,8 +360,10 @@ class PrefillMessenger:
     def _accept(self, msg: PrefillRequest) -> list[Command]:
         tokens = msg.prompt_tokens - 1
         if not self.pool.fits_ever(tokens):
-            reason = (f"prompt needs {self.pool.pages_for(tokens)} KV pages on prefill node "
-                      f"{self.node}, whose pool holds {self.pool.num_pages}")
+            reason = (
+                f"prompt needs {self.pool.pages_for(tokens)} KV pages on prefill node "
+                f"{self.node}, whose pool holds {self.pool.num_pages}"
+            )
             return [Send(msg.decode_node, PrefillRejected(msg.req_id, reason))]
         if self.waiting or not self.pool.can_allocate(tokens):
             self.waiting.append(msg)
@@ -414,8 +417,13 @@ class PrefillMessenger:
         imm = tuple((i + 1) * ps <= end or end == out.target for i in range(first, last + 1))
         out.pending_posts += 1
         return PostWrites(
-            c.req_id, out.msg.decode_node, out.msg.slot, layers,
-            tuple(out.src_pages[first:last + 1]), out.msg.dst_pages[first:last + 1], imm,
+            c.req_id,
+            out.msg.decode_node,
+            out.msg.slot,
+            layers,
+            tuple(out.src_pages[first : last + 1]),
+            out.msg.dst_pages[first : last + 1],
+            imm,
             out.msg.dst_rank,
         )
 
@@ -428,12 +436,14 @@ class PrefillMessenger:
                 continue
             out.prefilled = True
             if self.policy == "whole":
-                cmds.append(self._post(_ScheduledChunk(c.req_id, 0, out.target),
-                                       range(self.num_layers)))
+                cmds.append(
+                    self._post(_ScheduledChunk(c.req_id, 0, out.target), range(self.num_layers))
+                )
             if self.metadata:
                 out.pending_posts += 1
-                cmds.append(PostMetadata(c.req_id, out.msg.decode_node, out.msg.slot,
-                                         out.msg.dst_rank))
+                cmds.append(
+                    PostMetadata(c.req_id, out.msg.decode_node, out.msg.slot, out.msg.dst_rank)
+                )
         self._batch = []
         return cmds + self._finish_ready()
 
@@ -445,8 +455,9 @@ class PrefillMessenger:
         out.pending_posts -= 1
         cmds: list[Command] = []
         if not ok and not out.abort_reason:
-            cmds += self._abort(req_id, f"transfer to decode node {out.msg.decode_node} "
-                                        f"failed: {error}")
+            cmds += self._abort(
+                req_id, f"transfer to decode node {out.msg.decode_node} failed: {error}"
+            )
         return cmds + self._finish_ready()
 
     def _abort(self, req_id: int, reason: str, notify: bool = True) -> list[Command]:
@@ -474,8 +485,9 @@ class PrefillMessenger:
                 del self.outbound[req_id]
                 self.pool.free(req_id)
                 if out.abort_reason and out.notify:
-                    cmds.append(Send(out.msg.decode_node,
-                                     TransferAborted(req_id, out.abort_reason)))
+                    cmds.append(
+                        Send(out.msg.decode_node, TransferAborted(req_id, out.abort_reason))
+                    )
         while self.waiting and self.pool.can_allocate(self.waiting[0].prompt_tokens - 1):
             cmds += self._start(self.waiting.popleft())
         return cmds

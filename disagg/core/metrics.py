@@ -23,11 +23,24 @@ import pandas as pd
 from disagg.core.request import Request, Status
 
 STEP_COLUMNS = [
-    "node", "kind", "start_s", "duration_s", "steps", "batch_size", "decode_seqs", "tokens",
+    "node",
+    "kind",
+    "start_s",
+    "duration_s",
+    "steps",
+    "batch_size",
+    "decode_seqs",
+    "tokens",
     "prefill_tokens",
 ]
 TRANSFER_COLUMNS = [
-    "request_id", "prefill_node", "decode_node", "bytes", "ops", "start_s", "end_s",
+    "request_id",
+    "prefill_node",
+    "decode_node",
+    "bytes",
+    "ops",
+    "start_s",
+    "end_s",
 ]
 
 
@@ -49,12 +62,33 @@ class Recorder:
     steps: list[tuple[Any, ...]] = field(default_factory=list)
     transfers: dict[int, Transfer] = field(default_factory=dict)
 
-    def step(self, node: str, kind: str, start_s: float, duration_s: float, steps: int,
-             batch_size: int, decode_seqs: int, tokens: int, prefill_tokens: int) -> None:
+    def step(
+        self,
+        node: str,
+        kind: str,
+        start_s: float,
+        duration_s: float,
+        steps: int,
+        batch_size: int,
+        decode_seqs: int,
+        tokens: int,
+        prefill_tokens: int,
+    ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
         decoding sequences, tokens (prefill tokens + decode queries), prefill tokens."""
-        self.steps.append((node, kind, start_s, duration_s, steps, batch_size, decode_seqs,
-                           tokens, prefill_tokens))
+        self.steps.append(
+            (
+                node,
+                kind,
+                start_s,
+                duration_s,
+                steps,
+                batch_size,
+                decode_seqs,
+                tokens,
+                prefill_tokens,
+            )
+        )
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)
@@ -72,12 +106,21 @@ class Recorder:
 def requests_table(requests: Iterable[Request]) -> pd.DataFrame:
     rows = [
         {
-            "request_id": r.id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
-            "output_tokens": r.output_tokens, "prefill_node": r.prefill_node,
-            "decode_node": r.decode_node, "prefill_start_s": r.prefill_start_s,
-            "prefill_end_s": r.prefill_end_s, "ready_s": r.ready_s,
-            "first_token_s": r.first_token_s, "finish_s": r.finish_s, "ttft_s": r.ttft_s,
-            "tpot_s": r.tpot_s, "status": str(r.status), "attempts": r.attempts,
+            "request_id": r.id,
+            "arrival_s": r.arrival_s,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "prefill_node": r.prefill_node,
+            "decode_node": r.decode_node,
+            "prefill_start_s": r.prefill_start_s,
+            "prefill_end_s": r.prefill_end_s,
+            "ready_s": r.ready_s,
+            "first_token_s": r.first_token_s,
+            "finish_s": r.finish_s,
+            "ttft_s": r.ttft_s,
+            "tpot_s": r.tpot_s,
+            "status": str(r.status),
+            "attempts": r.attempts,
             "fail_reason": r.fail_reason,
         }
         for r in sorted(requests, key=lambda r: r.id)
@@ -109,20 +152,23 @@ def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
     pass that carries decodes (decode-only or mixed with prefill), weighted by the sequences it
     carries. A prefill that shares a pass with decodes shows up here as stutter."""
     dec = steps[steps.decode_seqs > 0]
+    names = {50: "p50", 90: "p90", 99: "p99", 99.9: "p999"}
     if dec.empty:
-        return {f"itl_s_p{p}": math.nan for p in (50, 90, 99)}
+        return {f"itl_s_{n}": math.nan for n in names.values()}
     per_pass = (dec.duration_s / dec.steps).to_numpy(float)
     weight = (dec.steps * dec.decode_seqs).to_numpy(float)
     order = np.argsort(per_pass, kind="stable")
     cum = np.cumsum(weight[order]) / weight.sum()
+    last = len(per_pass) - 1
     return {
-        f"itl_s_p{p}": float(per_pass[order][np.searchsorted(cum, p / 100)])
-        for p in (50, 90, 99)
+        f"itl_s_{n}": float(per_pass[order][min(int(np.searchsorted(cum, p / 100)), last)])
+        for p, n in names.items()
     }
 
 
-def summarize(requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFrame,
-              gpus: int, wall_s: float) -> dict[str, Any]:
+def summarize(
+    requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFrame, gpus: int, wall_s: float
+) -> dict[str, Any]:
     """TTFT, TPOT, per-user and per-GPU throughput, transfer sizes, counts."""
     done = requests[requests.status == str(Status.FINISHED)]
     simulated_s = float(requests.finish_s.max()) if len(done) else 0.0
@@ -147,8 +193,13 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFra
     return out
 
 
-def write_results(out_dir: Path, requests: pd.DataFrame, steps: pd.DataFrame,
-                  transfers: pd.DataFrame, summary: dict[str, Any]) -> None:
+def write_results(
+    out_dir: Path,
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    transfers: pd.DataFrame,
+    summary: dict[str, Any],
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     requests.to_parquet(out_dir / "requests.parquet", index=False)
     steps.to_parquet(out_dir / "steps.parquet", index=False)

@@ -79,8 +79,7 @@ class Node:
         self.name = f"{self.role}{idx}"
         self.env = sim.env
         self.cost = make_cost_model(sim.exp, group)
-        self.pool = PagePool(pool_pages(sim.exp, group, self.role), sim.exp.kv.page_size,
-                             self.name)
+        self.pool = PagePool(pool_pages(sim.exp, group, self.role), sim.exp.kv.page_size, self.name)
         self._wake = self.env.event()
 
     def wake(self) -> None:
@@ -91,8 +90,9 @@ class Node:
         self._wake = self.env.event()
         return self._wake
 
-    def _decode_run(self, decodes: list[Request], tokens_per_step: float,
-                    interruptible: Callable[[], bool]) -> Generator[simpy.Event, Any, int]:
+    def _decode_run(
+        self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
+    ) -> Generator[simpy.Event, Any, int]:
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight); returns the passes run. Step time is
         a + b * context, and context grows by len(decodes) * tokens_per_step per pass."""
@@ -161,15 +161,25 @@ class PrefillNode(Node):
             for c in batch.chunks:
                 if math.isnan(c.req.prefill_start_s):
                     c.req.prefill_start_s = t0
-            self.sim.execute(self, self.messenger.on_batch(
-                [(c.req.id, c.start, c.tokens) for c in batch.chunks]))
+            self.sim.execute(
+                self, self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks])
+            )
             # every layer of the pass, each sent once it is produced (see TransferModel.post)
             self.sim.execute(self, self.messenger.on_layers(self.layers), (t0, step_s))
             yield self.env.timeout(step_s)
             for r in self.scheduler.complete(batch).prefilled:
                 r.prefill_end_s = self.env.now
-            self.sim.rec.step(self.name, "prefill", t0, step_s, 1, len(batch.chunks), 0,
-                              batch.prefill_tokens, batch.prefill_tokens)
+            self.sim.rec.step(
+                self.name,
+                "prefill",
+                t0,
+                step_s,
+                1,
+                len(batch.chunks),
+                0,
+                batch.prefill_tokens,
+                batch.prefill_tokens,
+            )
             self.sim.execute(self, self.messenger.on_batch_done())
 
 
@@ -179,8 +189,9 @@ class DecodeNode(Node):
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         self.tps = sim.exp.spec.accepted_tokens_per_step
-        self.messenger = DecodeMessenger(idx, self.pool, sim.transfers.expected,
-                                         max_attempts=sim.exp.transfer.max_attempts)
+        self.messenger = DecodeMessenger(
+            idx, self.pool, sim.transfers.expected, max_attempts=sim.exp.transfer.max_attempts
+        )
         self.scheduler = DecodeScheduler(group.max_batch, self.tps)
         self.env.process(self.loop())
 
@@ -204,8 +215,9 @@ class DecodeNode(Node):
             steps = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
             progress = self.scheduler.complete(batch, steps)
             n = len(batch.decodes)
-            self.sim.rec.step(self.name, "decode", t0, self.env.now - t0, steps, n, n,
-                              n * self.cost.decode_qo, 0)
+            self.sim.rec.step(
+                self.name, "decode", t0, self.env.now - t0, steps, n, n, n * self.cost.decode_qo, 0
+            )
             for r in progress.finished:
                 self.sim.finish(r)
                 self.sim.execute(self, self.messenger.release(r.id, self.env.now))
@@ -217,8 +229,9 @@ class ColocatedNode(Node):
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         self.tps = sim.exp.spec.accepted_tokens_per_step
-        self.scheduler = ColocatedScheduler(self.pool, group.token_budget, group.max_batch,
-                                            self.tps, 1 + sim.exp.spec.draft_tokens)
+        self.scheduler = ColocatedScheduler(
+            self.pool, group.token_budget, group.max_batch, self.tps, 1 + sim.exp.spec.draft_tokens
+        )
         self.env.process(self.loop())
 
     @property
@@ -238,8 +251,9 @@ class ColocatedNode(Node):
                 continue
             t0 = self.env.now
             if batch.decode_only:
-                steps = yield from self._decode_run(batch.decodes, self.tps,
-                                                    lambda: bool(self.scheduler.waiting))
+                steps = yield from self._decode_run(
+                    batch.decodes, self.tps, lambda: bool(self.scheduler.waiting)
+                )
                 progress = self.scheduler.complete(batch, steps)
                 kind, prefill = "decode", 0
             else:
@@ -247,8 +261,17 @@ class ColocatedNode(Node):
                 progress = yield from self._mixed_step(batch)
             n = len(batch.decodes) + len(batch.chunks)
             d = len(batch.decodes)
-            self.sim.rec.step(self.name, kind, t0, self.env.now - t0, steps, n, d,
-                              prefill + d * self.cost.decode_qo, prefill)
+            self.sim.rec.step(
+                self.name,
+                kind,
+                t0,
+                self.env.now - t0,
+                steps,
+                n,
+                d,
+                prefill + d * self.cost.decode_qo,
+                prefill,
+            )
             for r in progress.finished:
                 self.sim.finish(r)
 
@@ -288,12 +311,21 @@ class Sim:
         self.finished = 0
         self.transfers = TransferModel(exp, self.network, self.rng)
         c = exp.cluster
-        self.colocated = [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)] \
-            if c.mode == "colocated" else []
-        self.prefills = [PrefillNode(self, i, c.prefill) for i in range(c.prefill.nodes)] \
-            if c.mode == "disagg" else []
-        self.decodes = [DecodeNode(self, i, c.decode) for i in range(c.decode.nodes)] \
-            if c.mode == "disagg" else []
+        self.colocated = (
+            [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
+            if c.mode == "colocated"
+            else []
+        )
+        self.prefills = (
+            [PrefillNode(self, i, c.prefill) for i in range(c.prefill.nodes)]
+            if c.mode == "disagg"
+            else []
+        )
+        self.decodes = (
+            [DecodeNode(self, i, c.decode) for i in range(c.decode.nodes)]
+            if c.mode == "disagg"
+            else []
+        )
         self.transfers.add_nics(len(self.prefills), len(self.decodes))
         nodes = self.colocated or self.decodes
         self.route_main = make_router(c.router, range(len(nodes)))
@@ -326,8 +358,9 @@ class Sim:
         self.finished += 1
 
     # ---- commands ------------------------------------------------------------------------
-    def execute(self, node: Node, cmds: list[Command],
-                step: tuple[float, float] | None = None) -> None:
+    def execute(
+        self, node: Node, cmds: list[Command], step: tuple[float, float] | None = None
+    ) -> None:
         """Carry out a messenger's commands; `step` = (start, duration) of the pass that
         produces the layers of any PostWrites."""
         for cmd in cmds:
@@ -363,8 +396,9 @@ class Sim:
 
         self.env.timeout(self.exp.transfer.control_latency_s).callbacks.append(deliver)
 
-    def _post(self, node: Node, cmd: PostWrites | PostMetadata,
-              step: tuple[float, float] | None) -> Proc:
+    def _post(
+        self, node: Node, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
+    ) -> Proc:
         assert isinstance(node, PrefillNode)
         req = self.requests[cmd.req_id]
         yield from self.transfers.post(node.idx, req, cmd, step, self.rec)
@@ -374,8 +408,9 @@ class Sim:
         self.execute(node, node.messenger.on_posted(cmd.req_id))
 
     # ---- running ---------------------------------------------------------------------------
-    def run(self, progress: Callable[[int, int, float], None] | None = None,
-            slice_s: float = 10.0) -> None:
+    def run(
+        self, progress: Callable[[int, int, float], None] | None = None, slice_s: float = 10.0
+    ) -> None:
         """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`."""
         total = len(self.arrivals)
         while self.finished < total and self.env.peek() < math.inf:
@@ -390,11 +425,13 @@ class Sim:
             node.pool.check()
             if node.pool.used_pages:
                 raise ConfigError(f"{node.name}: {node.pool.used_pages} KV pages leaked")
-        stuck = [r.id for r in self.requests.values()
-                 if r.status not in (Status.FINISHED, Status.FAILED)]
+        stuck = [
+            r.id for r in self.requests.values() if r.status not in (Status.FINISHED, Status.FAILED)
+        ]
         if stuck or len(self.requests) != len(self.arrivals):
-            raise ConfigError(f"simulation ended with {len(stuck)} unfinished requests "
-                              f"(first: {stuck[:5]})")
+            raise ConfigError(
+                f"simulation ended with {len(stuck)} unfinished requests (first: {stuck[:5]})"
+            )
 
 
 def _path(p: str) -> Any:

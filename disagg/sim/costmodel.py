@@ -28,7 +28,6 @@ from disagg.errors import ConfigError
 from disagg.hardware import GPU
 from disagg.models import ModelSpec, dtype_bytes
 
-
 QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per tile)
 
 
@@ -183,8 +182,11 @@ class ProfileCost:
         lines = []
         for b in batches:
             row = self.decode.loc[int(b)]
-            slope, icept = np.polyfit(row.index.to_numpy(float), row.to_numpy(float), 1) \
-                if len(row) > 1 else (0.0, float(row.iloc[0]))
+            slope, icept = (
+                np.polyfit(row.index.to_numpy(float), row.to_numpy(float), 1)
+                if len(row) > 1
+                else (0.0, float(row.iloc[0]))
+            )
             lines.append((icept, slope / b))
         a = _interp_lin(seqs, batches, np.array([x for x, _ in lines]))
         per_token = _interp_lin(seqs, batches, np.array([y for _, y in lines]))
@@ -220,5 +222,12 @@ def make_cost_model(exp: Experiment, group: GroupConfig) -> CostModel:
     if exp.cost.source.startswith("profile:"):
         path = Path(exp.cost.source.removeprefix("profile:"))
         return ProfileCost(path if path.is_absolute() else Path(exp.base_dir) / path, qo)
-    return RooflineCost(exp.model.spec, exp.hardware.gpu_spec, group, exp.cost, exp.spec,
-                        exp.model.weight_dtype, exp.model.kv_dtype)
+    return RooflineCost(
+        exp.model.spec,
+        exp.hardware.gpu_spec,
+        group,
+        exp.cost,
+        exp.spec,
+        exp.model.weight_dtype,
+        exp.model.kv_dtype,
+    )

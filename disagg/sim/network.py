@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import simpy
 
@@ -42,6 +43,10 @@ class _Nic:
     busy_s: float = 0.0  # time with at least one active part
 
 
+def _succeed(event: simpy.Event) -> None:
+    event.succeed()
+
+
 class Network:
     """All NICs of a cluster, keyed by anything hashable, e.g. (node, nic index)."""
 
@@ -59,7 +64,7 @@ class Network:
         spec = self.nics[key].spec
         return nbytes / spec.bandwidth_bps + ops * spec.op_cost_s
 
-    def transfer(self, work: Mapping[Hashable, float], not_before_s: float = 0.0) -> simpy.Event:
+    def transfer(self, work: Mapping[Any, float], not_before_s: float = 0.0) -> simpy.Event:
         """Start a flow now with `work[nic]` seconds of NIC time per NIC; returns its event."""
         self._advance()
         parts = {k: w for k, w in work.items() if w > 0}
@@ -116,7 +121,8 @@ class Network:
         if at <= self.env.now:
             flow.done.succeed()
         else:
-            self.env.timeout(at - self.env.now).callbacks.append(lambda _: flow.done.succeed())
+            timer = self.env.timeout(at - self.env.now)
+            timer.callbacks.append(lambda _: _succeed(flow.done))
 
     def utilisation(self, key: Hashable) -> float:
         """Fraction of the elapsed simulated time the NIC had work."""

@@ -20,11 +20,19 @@ from disagg.config import Experiment
 from disagg.core.messenger import PostMetadata, PostWrites
 from disagg.core.metrics import Recorder
 from disagg.core.request import Request
-from disagg.core.sharding import ShardLayout, TransferPlan, plan_transfer, shard_layout
+from disagg.core.sharding import (
+    MetadataKind,
+    ShardLayout,
+    TransferPlan,
+    plan_transfer,
+    shard_layout,
+)
 from disagg.sim.network import Network
 
 PLANS_PER_PAIR = 8  # distinct replica assignments drawn per (prefill group, decode group)
-METADATA = "hidden"  # hidden state of the token before the last prompt token (MTP / drafts)
+METADATA: MetadataKind = (
+    "hidden"  # hidden state of the token before the last prompt token (MTP / drafts)
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,11 @@ class TransferModel:
     def choose_plan(self, req: Request) -> None:
         """Draw the request's prefill group, decode group and replica assignment."""
         assert self.src is not None and self.dst is not None
-        key = (self.rng.randrange(self.src.dp), self.rng.randrange(self.dst.dp),
-               self.rng.randrange(PLANS_PER_PAIR))
+        key = (
+            self.rng.randrange(self.src.dp),
+            self.rng.randrange(self.dst.dp),
+            self.rng.randrange(PLANS_PER_PAIR),
+        )
         if key not in self._cache:
             self._cache[key] = self._plan_cost(*key)
         self.plans[req.id] = self._cache[key]
@@ -72,9 +83,14 @@ class TransferModel:
         assert self.src is not None and self.dst is not None
         kv = self.exp.kv
         plan = plan_transfer(
-            self.src, self.dst, kv.page_size, kv.layout, self.exp.model.kv_dtype,
+            self.src,
+            self.dst,
+            kv.page_size,
+            kv.layout,
+            self.exp.model.kv_dtype,
             random.Random(hash((self.exp.seed, src_group, dst_group, variant))),
-            src_dp_rank=src_group, dst_dp_rank=dst_group,
+            src_dp_rank=src_group,
+            dst_dp_rank=dst_group,
         )
         by_nic_bytes: dict[int, int] = {}
         by_nic_ops: dict[int, int] = {}
@@ -85,8 +101,14 @@ class TransferModel:
             nic = self.node.nic_of_gpu(rank)
             by_nic_ops[nic] = by_nic_ops.get(nic, 0) + ops
         meta = plan.metadata(METADATA)
-        return PlanCost(plan, by_nic_bytes, by_nic_ops, plan.imms_per_page_layer_by_dst_rank(),
-                        self.node.nic_of_gpu(meta.src_rank), meta.nbytes)
+        return PlanCost(
+            plan,
+            by_nic_bytes,
+            by_nic_ops,
+            plan.imms_per_page_layer_by_dst_rank(),
+            self.node.nic_of_gpu(meta.src_rank),
+            meta.nbytes,
+        )
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
         """Immediates each decode rank counts for `req` (the decoder knows the plan)."""
@@ -99,9 +121,14 @@ class TransferModel:
         units = cmd.imm_pages * len(cmd.layers)
         return {rank: n * units for rank, n in pc.imms_by_rank.items() if n * units}
 
-    def post(self, prefill: int, req: Request, cmd: PostWrites | PostMetadata,
-             step: tuple[float, float] | None,
-             rec: Recorder) -> Generator[simpy.Event, Any, None]:
+    def post(
+        self,
+        prefill: int,
+        req: Request,
+        cmd: PostWrites | PostMetadata,
+        step: tuple[float, float] | None,
+        rec: Recorder,
+    ) -> Generator[simpy.Event, Any, None]:
         """Move the bytes of one post; layer-wise posts start when their first layer is
         produced and cannot end before their last layer is produced and sent."""
         pc, env = self.plans[req.id], self.network.env
@@ -110,8 +137,10 @@ class TransferModel:
         else:
             units = len(cmd.src_pages) * len(cmd.layers)
             load = {n: (b * units, pc.ops_by_nic[n] * units) for n, b in pc.bytes_by_nic.items()}
-        work = {("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
-                for n, (b, o) in load.items()}
+        work = {
+            ("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
+            for n, (b, o) in load.items()
+        }
         start, not_before = env.now, 0.0
         if step is not None and self.layerwise and isinstance(cmd, PostWrites):
             t0, step_s = step
@@ -120,6 +149,7 @@ class TransferModel:
             not_before = t0 + per_layer * cmd.layers.stop + max(work.values()) / len(cmd.layers)
         if start > env.now:
             yield env.timeout(start - env.now)
-        rec.transfer(req, sum(b for b, _ in load.values()), sum(o for _, o in load.values()),
-                     env.now)
+        rec.transfer(
+            req, sum(b for b, _ in load.values()), sum(o for _, o in load.values()), env.now
+        )
         yield self.network.transfer(work, not_before)

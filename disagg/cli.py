@@ -1,0 +1,224 @@
+"""The `disagg` command line: simulate, compare, plot (and run on hardware: `disagg hw`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from disagg.errors import DisaggError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Disaggregated prefill/decode LLM serving: simulate it, run it, plot it.",
+)
+sim_app = typer.Typer(no_args_is_help=True, help="Discrete-event simulation of a cluster.")
+app.add_typer(sim_app, name="sim")
+console = Console()
+
+SUMMARY_ROWS = [
+    ("ttft_s_p50", "TTFT p50 (ms)", 1e3),
+    ("ttft_s_p90", "TTFT p90 (ms)", 1e3),
+    ("ttft_s_p99", "TTFT p99 (ms)", 1e3),
+    ("tpot_s_p50", "TPOT p50 (ms)", 1e3),
+    ("tpot_s_p90", "TPOT p90 (ms)", 1e3),
+    ("tpot_s_p99", "TPOT p99 (ms)", 1e3),
+    ("itl_s_p50", "inter-token p50 (ms)", 1e3),
+    ("itl_s_p99", "inter-token p99 (ms)", 1e3),
+    ("itl_s_p999", "inter-token p99.9 (ms)", 1e3),
+    ("tps_per_user_p50", "tokens/s per user p50", 1),
+    ("output_tps_per_gpu", "output tokens/s per GPU", 1),
+    ("transfer_bytes_per_request", "transfer MB per request", 1e-6),
+    ("transfer_ops_per_request", "transfer writes per request", 1),
+    ("transfer_s_p50", "transfer time p50 (ms)", 1e3),
+    ("completed", "completed", 1),
+    ("failed", "failed", 1),
+    ("gpus", "GPUs", 1),
+    ("simulated_s", "simulated s", 1),
+    ("wall_s", "wall s", 1),
+]
+
+
+def fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/] {err}", highlight=False)
+    raise typer.Exit(2)
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn user errors into a message and exit code 2, without a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DisaggError as e:
+            fail(e)
+
+    return wrapper
+
+
+def _fmt(value: Any, scale: float) -> str:
+    if (isinstance(value, int | float) and scale != 1) or isinstance(value, float):
+        v = float(value) * scale
+        return "-" if v != v else f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    return str(value)
+
+
+def summary_table(summaries: dict[str, dict[str, Any]]) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("metric")
+    for name in summaries:
+        table.add_column(name, justify="right")
+    for key, label, scale in SUMMARY_ROWS:
+        if any(key in s for s in summaries.values()):
+            table.add_row(
+                label, *(_fmt(s.get(key, float("nan")), scale) for s in summaries.values())
+            )
+    return table
+
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", help="Override a setting: key.path=value (repeatable), e.g. workload.rate_per_s=4"
+    ),
+]
+
+
+def run_simulation(
+    experiment: Path | None, overrides: list[str] | None, out: Path | None, quiet: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """Simulate one experiment, write its tables, return (directory, summary)."""
+    from disagg.config import load_experiment
+    from disagg.core.metrics import (
+        requests_table,
+        steps_table,
+        summarize,
+        transfers_table,
+        write_results,
+    )
+    from disagg.sim.cluster import Sim
+
+    exp = load_experiment(experiment, overrides)
+    out = out or Path("runs") / exp.name
+    start = time.perf_counter()
+    sim = Sim(exp)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests, {task.fields[t]:.0f} s simulated"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet,
+    ) as bar:
+        task = bar.add_task(exp.name, total=len(sim.arrivals), t=0.0, visible=False)
+
+        def progress(done: int, total: int, now_s: float) -> None:
+            visible = time.perf_counter() - start > 2.0  # only runs longer than a moment
+            bar.update(task, completed=done, t=now_s, visible=visible)
+
+        sim.run(progress)
+    wall = time.perf_counter() - start
+    req, steps, xfers = (
+        requests_table(sim.requests.values()),
+        steps_table(sim.rec),
+        transfers_table(sim.rec),
+    )
+    summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
+    summary["experiment"] = exp.name
+    write_results(out, req, steps, xfers, summary)
+    (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    return out, summary
+
+
+@sim_app.command("run")
+@guarded
+def sim_run(
+    experiment: Annotated[
+        Path | None,
+        typer.Argument(help="Experiment TOML file (default: the built-in R1 1P:3D experiment)"),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Result directory (default runs/NAME)")] = None,
+    set_: Overrides = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar or table")] = False,
+) -> None:
+    """Simulate an experiment; print its summary and write requests/steps/transfers tables."""
+    out_dir, summary = run_simulation(experiment, set_, out, quiet)
+    if not quiet:
+        console.print(summary_table({summary["experiment"]: summary}))
+    console.print(f"results in {out_dir}/ (requests, steps, transfers .parquet; summary.json)")
+
+
+@sim_app.command("compare")
+@guarded
+def sim_compare(runs: Annotated[list[Path], typer.Argument(help="Result directories")]) -> None:
+    """Print the summaries of several runs side by side."""
+    from disagg.core.metrics import read_results
+
+    console.print(summary_table({str(d): read_results(d)[3] for d in runs}))
+
+
+@sim_app.command("sweep")
+@guarded
+def sim_sweep(
+    experiments: Annotated[list[Path], typer.Argument(help="Experiment TOML files")],
+    param: Annotated[str, typer.Option(help="Setting to vary")] = "workload.rate_per_s",
+    values: Annotated[str, typer.Option(help="Comma-separated values")] = "3,6,9,12",
+    out: Annotated[Path, typer.Option(help="Directory for the runs and sweep.csv/png")] = Path(
+        "runs/sweep"
+    ),
+    set_: Overrides = None,
+) -> None:
+    """Run experiments over a range of one setting (load, by default): one table, one plot."""
+    import pandas as pd
+
+    from disagg.plots import plot_sweep
+
+    rows = []
+    points = [v.strip() for v in values.split(",") if v.strip()]
+    for exp_path in experiments:
+        for v in points:
+            run_dir = out / f"{exp_path.stem}-{param.rsplit('.', 1)[-1]}-{v}"
+            _, summary = run_simulation(
+                exp_path, [*(set_ or []), f"{param}={v}"], run_dir, quiet=True
+            )
+            rows.append({"experiment": exp_path.stem, param: float(v), **summary})
+            console.print(
+                f"{exp_path.stem} {param}={v}: TTFT p50 "
+                f"{summary['ttft_s_p50'] * 1e3:.0f} ms, TPOT p50 "
+                f"{summary['tpot_s_p50'] * 1e3:.1f} ms",
+                highlight=False,
+            )
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "sweep.csv", index=False)
+    console.print(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
+
+
+@app.command("plot")
+@guarded
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Result directories")],
+    out: Annotated[Path, typer.Option(help="PNG file to write")] = Path("runs/plot.png"),
+) -> None:
+    """TTFT and TPOT CDFs of the runs, and per-node forward-pass timelines."""
+    from disagg.plots import plot_runs
+
+    console.print(f"wrote {plot_runs(runs, out)}")
+
+
+def main() -> None:  # pragma: no cover - console script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,105 @@
+"""The command line, run as a user would: real files out, clear errors, exit codes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+from typer.testing import CliRunner
+
+from disagg.cli import app
+
+runner = CliRunner()
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+
+
+def test_sim_run_writes_the_tables_and_summary(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["sim", "run", "--out", str(out), "--set", "workload.duration_s=15"])
+    assert res.exit_code == 0, res.output
+    assert "TTFT p50" in res.output and "results in" in res.output
+    req = pd.read_parquet(out / "requests.parquet")
+    for col in (
+        "request_id",
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "prefill_node",
+        "decode_node",
+        "first_token_s",
+        "finish_s",
+        "ttft_s",
+        "tpot_s",
+        "status",
+    ):
+        assert col in req.columns
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert {"node", "kind", "start_s", "duration_s", "tokens", "batch_size"} <= set(steps)
+    xfers = pd.read_parquet(out / "transfers.parquet")
+    assert list(xfers.columns[:7]) == [
+        "request_id",
+        "prefill_node",
+        "decode_node",
+        "bytes",
+        "ops",
+        "start_s",
+        "end_s",
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "ttft_s_p50",
+        "ttft_s_p90",
+        "ttft_s_p99",
+        "tpot_s_p50",
+        "tpot_s_p90",
+        "tpot_s_p99",
+        "tps_per_user_p50",
+        "output_tps_per_gpu",
+        "completed",
+        "failed",
+        "simulated_s",
+        "wall_s",
+    ):
+        assert key in summary
+    assert summary["completed"] == len(req) and summary["failed"] == 0
+
+
+def test_compare_and_plot(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, f in ((a, "r1-colocated.toml"), (b, "r1-disagg-1p3d.toml")):
+        res = runner.invoke(
+            app,
+            [
+                "sim",
+                "run",
+                str(EXPERIMENTS / f),
+                "--out",
+                str(d),
+                "--quiet",
+                "--set",
+                "workload.duration_s=15",
+            ],
+        )
+        assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["sim", "compare", str(a), str(b)])
+    assert res.exit_code == 0 and "TPOT p50" in res.output
+    png = tmp_path / "p.png"
+    res = runner.invoke(app, ["plot", str(a), str(b), "--out", str(png)])
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_user_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    cases = [
+        ["sim", "run", "--set", "workload.rate_per_s=-2"],
+        ["sim", "run", str(tmp_path / "nope.toml")],
+        ["sim", "compare", str(tmp_path)],
+        ["sim", "run", "--set", "cluster.decode.tp=3"],
+    ]
+    for args in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "disagg.cli", *args], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "error:" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr

@@ -1,0 +1,87 @@
+"""Experiment files: defaults, overrides, and clear errors for bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from disagg.config import Experiment, load_experiment, parse_override
+from disagg.errors import ConfigError
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+
+
+def test_default_experiment_is_r1_one_prefill_three_decode() -> None:
+    exp = load_experiment()
+    assert exp == Experiment()
+    assert exp.model.name == "deepseek-r1" and exp.cluster.mode == "disagg"
+    assert (exp.cluster.prefill.nodes, exp.cluster.decode.nodes) == (1, 3)
+    assert exp.cluster.total_gpus == 32
+
+
+@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_experiments_load(path: Path) -> None:
+    exp = load_experiment(path)
+    assert exp.name == path.stem
+    assert exp.cluster.total_gpus == 32  # colocated and disaggregated get the same GPUs
+
+
+def test_override_changes_one_value_and_keeps_the_rest() -> None:
+    exp = load_experiment(EXPERIMENTS / "r1-colocated.toml", ["cluster.colocated.max_batch=64"])
+    assert exp.cluster.colocated.max_batch == 64
+    assert exp.cluster.colocated.nodes == 4 and exp.cluster.colocated.token_budget == 8192
+
+
+def test_parse_override_values() -> None:
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a=1.5") == ("a", 1.5)
+    assert parse_override("a=NHD") == ("a", "NHD")
+    assert parse_override("a=true") == ("a", True)
+    with pytest.raises(ConfigError, match=r"expected key\.path=value"):
+        parse_override("rate")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("workload.rate_per_s=-1", "workload.rate_per_s: Input should be greater than 0"),
+        ("model.name=gpt-9", "unknown model 'gpt-9'"),
+        ("hardware.gpu=B300", "unknown GPU 'B300'"),
+        ("cluster.decode.tp=3", "cluster.decode: tp=3 does not divide deepseek-r1's 128"),
+        ("cluster.prefill.tp=16", "needs 16 GPUs per node, hardware has 8"),
+        ("spec.accepted_tokens_per_step=3", "cannot exceed draft_tokens + 1 = 1"),
+        ("kv.layout=HDN", "kv.layout: Input should be 'HND' or 'NHD'"),
+        ("cost.source=magic", "use 'roofline' or 'profile:PATH'"),
+        ("cluster.nodes=4", "cluster.nodes: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_values_name_the_field_and_value(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="invalid experiment") as err:
+        load_experiment(None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_experiment(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_experiment(bad)
+
+
+def test_trace_workload_and_malformed_trace(tmp_path: Path) -> None:
+    from disagg.core.workload import generate
+    from disagg.errors import TraceError
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 5}\n'
+        '{"timestamp": 250, "input_length": "x", "output_length": 5}\n'
+    )
+    f = tmp_path / "e.toml"
+    f.write_text(
+        '[workload]\ntrace = "t.jsonl"\nprompt_tokens = {value = 1}\noutput_tokens = {value = 1}\n'
+    )
+    exp = load_experiment(f)
+    with pytest.raises(TraceError, match=r"t.jsonl:2: input_length"):
+        generate(exp.workload, exp.seed, Path(exp.base_dir))

@@ -1,0 +1,90 @@
+"""Catalogue figures against hand arithmetic."""
+
+import pytest
+
+from disagg.errors import ConfigError
+from disagg.hardware import CONNECTX_7, H100_SXM, H200_SXM, Node, get_gpu, get_nic
+from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, get_model
+
+
+def test_llama_8b_kv_bytes_per_token() -> None:
+    # K and V, 8 KV heads of 128 dims, 2 bytes (bf16) or 1 byte (fp8)
+    assert LLAMA_31_8B.kv_bytes_per_token_per_layer("bf16") == 2 * 8 * 128 * 2 == 4096
+    assert LLAMA_31_8B.kv_bytes_per_token_per_layer("fp8") == 2048
+    assert LLAMA_31_8B.kv_bytes_per_token("bf16") == 32 * 4096
+
+
+def test_llama_8b_parameters() -> None:
+    attn = 4096 * 4096 * 2 + 4096 * 1024 * 2  # q, o + k, v
+    mlp = 3 * 4096 * 14336
+    emb = 2 * 128256 * 4096
+    assert LLAMA_31_8B.params == 32 * (attn + mlp) + emb
+    assert 8.0e9 < LLAMA_31_8B.params < 8.1e9
+    assert LLAMA_31_8B.weight_bytes("bf16") == 2 * LLAMA_31_8B.params
+    # FLOPs per token: 2 per multiplied parameter (LM head, not the embedding lookup)
+    assert LLAMA_31_8B.linear_flops_per_token == 2 * (32 * (attn + mlp) + 128256 * 4096)
+
+
+def test_llama_70b_is_70b() -> None:
+    assert 70.0e9 < LLAMA_31_70B.params < 71.0e9
+
+
+def test_deepseek_v3_mla_and_moe_figures() -> None:
+    m = DEEPSEEK_V3
+    assert m.kv_bytes_per_token_per_layer("bf16") == (512 + 64) * 2
+    assert m.kv_shardable_heads == 1
+    assert m.moe_layers == 58
+    assert m.expert_params == 3 * 7168 * 2048
+    assert 665e9 < m.params < 675e9  # "671B"
+    assert 36e9 < m.active_params_per_token < 39e9  # "37B activated"
+    assert get_model("DeepSeek-R1").params == m.params
+
+
+def test_qwen3_coder_shapes() -> None:
+    m = QWEN3_CODER_480B
+    assert m.kv_bytes_per_token_per_layer("bf16") == 2 * 8 * 128 * 2
+    assert 470e9 < m.params < 490e9
+    assert 33e9 < m.active_params_per_token < 37e9
+
+
+def test_attention_flops_mla_absorbed_vs_plain() -> None:
+    m = DEEPSEEK_V3
+    assert m.attn_flops(1000) == 2 * 128 * 1000 * (576 + 512)
+    assert m.attn_flops(1000, absorbed=False) == 2 * 128 * 1000 * (192 + 128)
+    assert LLAMA_31_8B.attn_flops(10) == 2 * 32 * 10 * 256
+
+
+def test_tp_checks() -> None:
+    LLAMA_31_8B.check_tp(8)
+    LLAMA_31_8B.check_tp(16 // 2)
+    with pytest.raises(ConfigError, match="tp=3 does not divide"):
+        LLAMA_31_8B.check_tp(3)
+    with pytest.raises(ConfigError, match="tp=0"):
+        LLAMA_31_8B.check_tp(0)
+    DEEPSEEK_V3.check_tp(8)  # MLA: the latent is replicated
+
+
+def test_unknown_names_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown model 'gpt-9'"):
+        get_model("gpt-9")
+    with pytest.raises(ConfigError, match="unknown GPU 'B300'"):
+        get_gpu("B300")
+    with pytest.raises(ConfigError, match="unknown NIC"):
+        get_nic("token-ring")
+
+
+def test_hardware_figures() -> None:
+    assert CONNECTX_7.bandwidth_bps == 50e9  # 400 Gbit/s
+    assert H200_SXM.hbm_bandwidth_bps > H100_SXM.hbm_bandwidth_bps
+    assert H200_SXM.flops("fp8") == pytest.approx(2 * H200_SXM.flops("bf16"), rel=1e-3)
+    node = Node(H200_SXM, CONNECTX_7, gpus=8, nics=4)
+    assert [node.nic_of_gpu(g) for g in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ConfigError):
+        node.nic_of_gpu(8)
+
+
+def test_with_layers_cuts_depth() -> None:
+    small = DEEPSEEK_V3.with_layers(2)
+    assert small.layers == 2 and small.dense_layers == 2 and small.moe_layers == 0
+    with pytest.raises(ConfigError):
+        LLAMA_31_8B.with_layers(33)

@@ -1,0 +1,120 @@
+"""Batch policies: chunking under a token budget, decode admission, colocated mixing."""
+
+import pytest
+
+from disagg.core.kvcache import PagePool
+from disagg.core.request import Request, Status
+from disagg.core.router import LeastLoaded, RoundRobin, make_router, pick_replica
+from disagg.core.scheduler import (
+    ColocatedScheduler,
+    DecodeScheduler,
+    PrefillScheduler,
+    steps_to_finish,
+)
+from disagg.errors import ConfigError
+
+
+def req(i: int, prompt: int = 100, output: int = 10) -> Request:
+    return Request(i, 0.0, prompt, output)
+
+
+def test_prefill_chunks_fifo_under_budget() -> None:
+    s = PrefillScheduler(token_budget=250)
+    a, b, c = req(0, 300), req(1, 100), req(2, 200)
+    for r in (a, b, c):
+        s.add(r, r.prompt_tokens - 1)
+    batch = s.schedule()
+    assert [(ch.req.id, ch.start, ch.tokens, ch.last) for ch in batch.chunks] == [
+        (0, 0, 250, False)
+    ]
+    assert s.complete(batch).prefilled == []
+    batch = s.schedule()
+    chunks = [(ch.req.id, ch.start, ch.tokens, ch.last) for ch in batch.chunks]
+    assert chunks == [(0, 250, 49, True), (1, 0, 99, True), (2, 0, 102, False)]
+    done = s.complete(batch).prefilled
+    assert [r.id for r in done] == [0, 1]
+    assert a.prefilled == 299 and c.prefilled == 102 and len(s) == 1
+    assert [(ch.start, ch.tokens, ch.last) for ch in s.schedule().chunks] == [(102, 97, True)]
+
+
+def test_prefill_remove() -> None:
+    s = PrefillScheduler(100)
+    s.add(req(0), 99)
+    s.add(req(1), 99)
+    assert s.remove(0) and not s.remove(7)
+    assert [ch.req.id for ch in s.schedule().chunks] == [1]
+
+
+def test_decode_admits_only_ready_up_to_max_batch() -> None:
+    s = DecodeScheduler(max_batch=2)
+    assert s.schedule().empty
+    for i in range(3):
+        s.add_ready(req(i, output=3))
+    batch = s.schedule()
+    assert [r.id for r in batch.decodes] == [0, 1]
+    assert all(r.status is Status.DECODING for r in batch.decodes)
+    p = s.complete(batch, steps=1)
+    assert [r.id for r in p.first_token] == [0, 1] and p.finished == []
+    p = s.complete(s.schedule(), steps=2)
+    assert [r.id for r in p.finished] == [0, 1]
+    assert [r.id for r in s.schedule().decodes] == [2]
+
+
+def test_speculative_decoding_emits_fractional_tokens_per_step() -> None:
+    s = DecodeScheduler(max_batch=4, tokens_per_step=1.7)
+    r = req(0, output=10)
+    s.add_ready(r)
+    assert steps_to_finish(r, 1.7) == 6  # ceil(10 / 1.7)
+    s.complete(s.schedule(), steps=5)
+    assert r.generated == pytest.approx(8.5) and not r.done
+    assert [x.id for x in s.complete(s.schedule(), steps=1).finished] == [0]
+    assert r.generated == 10
+    with pytest.raises(ConfigError):
+        DecodeScheduler(4, tokens_per_step=0.5)
+
+
+def test_colocated_decodes_first_then_prefill_fills_the_budget() -> None:
+    pool = PagePool(100, 16)
+    s = ColocatedScheduler(pool, token_budget=64, max_batch=8)
+    s.add(req(0, prompt=40, output=5))
+    b = s.schedule()
+    assert [(c.req.id, c.tokens, c.last) for c in b.chunks] == [(0, 40, True)]
+    assert pool.pages_of(0) == [0, 1, 2]  # prompt + output reserved on admission
+    p = s.complete(b)
+    assert [r.id for r in p.first_token] == [0] and s.decode.running[0].generated == 1
+    s.add(req(1, prompt=100, output=5))
+    b = s.schedule()
+    assert [r.id for r in b.decodes] == [0]
+    assert [(c.req.id, c.tokens) for c in b.chunks] == [(1, 63)]  # 64 - one decode token
+
+
+def test_colocated_waits_for_pages_and_rejects_what_never_fits() -> None:
+    pool = PagePool(4, 16)
+    s = ColocatedScheduler(pool, token_budget=1000, max_batch=8)
+    big = req(0, prompt=60, output=10)  # 5 pages > 4
+    s.add(big)
+    assert big.status is Status.FAILED and "needs 5 KV pages" in big.fail_reason
+    a, b = req(1, prompt=40, output=8), req(2, prompt=30, output=2)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [c.req.id for c in batch.chunks] == [1]  # b waits: 3 + 2 pages > 4
+    s.complete(batch)
+    s.complete(s.schedule(), steps=7)  # a finishes, its pages come back
+    assert pool.used_pages == 0 and a.status is Status.FINISHED
+    assert [c.req.id for c in s.schedule().chunks] == [2]
+
+
+def test_routers() -> None:
+    rr = RoundRobin([0, 1, 2])
+    assert [rr.pick({}) for _ in range(4)] == [0, 1, 2, 0]
+    ll = LeastLoaded([0, 1, 2])
+    assert ll.pick({0: 3, 1: 1, 2: 1}) == 1
+    with pytest.raises(ConfigError, match="unknown router"):
+        make_router("random", [0])
+    import random
+
+    rng = random.Random(5)
+    picks = [pick_replica([0, 1, 2, 3], rng) for _ in range(200)]
+    assert set(picks) == {0, 1, 2, 3}
+    assert picks == [pick_replica([0, 1, 2, 3], r) for r in [random.Random(5)] for _ in range(200)]
