@@ -39,6 +39,7 @@ SUMMARY_ROWS = [
     ("transfer_bytes_per_request", "transfer MB per request", 1e-6),
     ("transfer_ops_per_request", "transfer writes per request", 1),
     ("transfer_s_p50", "transfer time p50 (ms)", 1e3),
+    ("nic_bytes_max", "busiest NIC: GB sent", 1e-9), ("nic_busy_max", "busiest NIC: busy", 1),
     ("completed", "completed", 1),
     ("failed", "failed", 1),
     ("gpus", "GPUs", 1),
@@ -135,6 +136,7 @@ def run_simulation(
         transfers_table(sim.rec),
     )
     summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
+    summary |= sim.network_summary()
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")

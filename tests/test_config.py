@@ -79,9 +79,7 @@ def test_trace_workload_and_malformed_trace(tmp_path: Path) -> None:
         '{"timestamp": 250, "input_length": "x", "output_length": 5}\n'
     )
     f = tmp_path / "e.toml"
-    f.write_text(
-        '[workload]\ntrace = "t.jsonl"\nprompt_tokens = {value = 1}\noutput_tokens = {value = 1}\n'
-    )
+    f.write_text('[workload]\ntrace = "t.jsonl"\n')
     exp = load_experiment(f)
     with pytest.raises(TraceError, match=r"t.jsonl:2: input_length"):
         generate(exp.workload, exp.seed, Path(exp.base_dir))

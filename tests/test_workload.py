@@ -398,3 +398,9 @@ def test_configs_are_frozen() -> None:
         cfg.rate_per_s = 3.0
     with pytest.raises(ValidationError, match="frozen"):
         LengthDist(value=3).value = 4
+
+
+def test_synthetic_workload_needs_lengths_but_a_trace_does_not() -> None:
+    with pytest.raises(ValidationError, match="needs prompt_tokens and output_tokens"):
+        WorkloadConfig(duration_s=10)
+    assert WorkloadConfig(trace="x.csv").prompt_tokens is None

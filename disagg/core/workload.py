@@ -97,8 +97,8 @@ class WorkloadConfig(BaseModel):
     cv: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     duration_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     num_requests: int | None = Field(default=None, ge=1)
-    prompt_tokens: LengthDist
-    output_tokens: LengthDist
+    prompt_tokens: LengthDist | None = None  # required without a trace
+    output_tokens: LengthDist | None = None
     trace: str | None = None
     trace_format: TraceFormat | None = None
     time_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
@@ -108,6 +108,8 @@ class WorkloadConfig(BaseModel):
         if self.trace is None:
             if self.duration_s is None and self.num_requests is None:
                 raise ValueError("a synthetic workload needs duration_s or num_requests (or both)")
+            if self.prompt_tokens is None or self.output_tokens is None:
+                raise ValueError("a synthetic workload needs prompt_tokens and output_tokens")
             if self.trace_format is not None:
                 raise ValueError(f"trace_format={self.trace_format!r} is set but trace is not")
             if self.time_scale != 1.0:
@@ -150,6 +152,8 @@ def generate(cfg: WorkloadConfig, seed: int, base_dir: Path | None = None) -> li
     times_rng, prompt_rng, output_rng = np.random.default_rng(seed).spawn(3)
     times = _arrival_times(cfg, times_rng)
     n = len(times)
+    if cfg.prompt_tokens is None or cfg.output_tokens is None:  # the validator forbids it
+        raise ValueError("a synthetic workload needs prompt_tokens and output_tokens")
     prompts = cfg.prompt_tokens.sample(prompt_rng, n)
     outputs = cfg.output_tokens.sample(output_rng, n)
     return _arrivals(times.tolist(), prompts.tolist(), outputs.tolist())

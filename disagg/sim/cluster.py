@@ -419,6 +419,16 @@ class Sim:
                 progress(self.finished, total, self.env.now)
         self.check_end()
 
+    def network_summary(self) -> dict[str, float]:
+        """Busiest sending NIC: bytes it sent and the fraction of the run it was busy."""
+        keys = list(self.network.nics)
+        if not keys:
+            return {}
+        return {
+            "nic_bytes_max": max(self.transfers.nic_bytes.values(), default=0.0),
+            "nic_busy_max": max(self.network.utilisation(k) for k in keys),
+        }
+
     def check_end(self) -> None:
         """Every request finished or failed with a reason; every page back in its pool."""
         for node in [*self.colocated, *self.prefills, *self.decodes]:

@@ -54,6 +54,7 @@ class TransferModel:
         self.layers = exp.model.spec.layers
         self.layerwise = exp.transfer.policy == "layerwise"
         self.plans: dict[int, PlanCost] = {}
+        self.nic_bytes: dict[tuple[str, int, int], float] = {}
         self._cache: dict[tuple[int, int, int], PlanCost] = {}
         c, spec = exp.cluster, exp.model.spec
         self.src: ShardLayout | None = None
@@ -141,6 +142,9 @@ class TransferModel:
             ("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
             for n, (b, o) in load.items()
         }
+        for n, (b, _) in load.items():
+            key = ("prefill", prefill, n)
+            self.nic_bytes[key] = self.nic_bytes.get(key, 0.0) + b
         start, not_before = env.now, 0.0
         if step is not None and self.layerwise and isinstance(cmd, PostWrites):
             t0, step_s = step

@@ -147,13 +147,13 @@ def pick_gid_index(dev: str, port: int, sysfs: Path = Path("/sys")) -> int:
         return 0
     v2 = []
     for entry in sorted((base / "gids").iterdir(), key=lambda p: int(p.name)):
-        try:
-            gid = entry.read_text().strip()
+        gid = entry.read_text().strip()
+        if not gid.strip("0:"):
+            continue  # unused (most of the table)
+        with contextlib.suppress(OSError):
             kind = (base / "gid_attrs/types" / entry.name).read_text().strip()
-        except OSError:  # an unused entry has no type
-            continue
-        if "v2" in kind and gid.strip("0:"):
-            v2.append((not gid.startswith("0000:0000:0000:0000:0000:ffff:"), int(entry.name)))
+            if "v2" in kind:
+                v2.append((not gid.startswith("0000:0000:0000:0000:0000:ffff:"), int(entry.name)))
     if not v2:
         raise TransportError(
             f"no RoCE v2 GID found on {dev} port {port}: give its network interface an IP "
@@ -213,6 +213,7 @@ class _Peer:
     """Our sending side of one connection: its QP, the peer's regions, and queued writes."""
 
     name: str
+    info: dict[str, Any]
     qp: Any
     conn: int  # this connection's number, in the high bits of every wr_id posted on it
     remote: dict[str, _Remote]
@@ -334,7 +335,7 @@ class VerbsTransport(Transport):
         self._regions: dict[str, _Region] = {}
         self._peers: dict[str, _Peer] = {}
         self._by_qpn: dict[int, _Peer] = {}  # our sending QPs
-        self._accepted: dict[tuple[str, int], dict[str, Any]] = {}  # (peer gid, qpn) -> reply
+        self._accepted: dict[tuple[str, int, int, str], dict[str, Any]] = {}  # request -> reply
         self._receiving: dict[int, Any] = {}  # QPs that peers write into, by number
         self._replies: dict[int, dict[str, Any]] = {}
         self._conns = 0
@@ -342,6 +343,7 @@ class VerbsTransport(Transport):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._closed = False
+        self._broken = ""  # why the progress thread stopped, if it did
         self._thread = threading.Thread(
             target=self._run, name=f"verbs-{self.endpoint}", daemon=True
         )
@@ -422,6 +424,7 @@ class VerbsTransport(Transport):
         """Register host memory (bytearray, numpy, CPU tensor) or a CUDA tensor (dma-buf)."""
         addr, nbytes, is_cuda = buffer_address(buffer)
         with self._lock:
+            self._check_open()
             if region in self._regions:
                 raise TransportError(f"verbs: region {region!r} is already registered")
             if nbytes < 1:
@@ -473,7 +476,8 @@ class VerbsTransport(Transport):
             raise TransportError(f"verbs: {peer!r} sent connection data of {info.get('wire')!r}")
         with self._lock:
             old = self._peers.get(peer)
-            if old is not None and not old.error:
+            self._check_open()
+            if old is not None and not old.error and old.info == info:
                 old.remote.update(remote)  # a connected peer announcing more regions
                 return
             qp, psn = self._new_qp(1), random.randrange(1 << 24)
@@ -488,7 +492,7 @@ class VerbsTransport(Transport):
             self._to_rts(qp, info["gid"], reply["qpn"], reply["psn"], psn, reply["mtu"])
             if old is not None:
                 self._retire(old)
-            self._peers[peer] = self._by_qpn[qp.qp_num] = _Peer(peer, qp, conn, remote)
+            self._peers[peer] = self._by_qpn[qp.qp_num] = _Peer(peer, dict(info), qp, conn, remote)
 
     def _request(self, peer: str, info: dict[str, Any], req: dict[str, Any], qp: Any) -> Any:
         """Send `req` every 0.2 s until the peer's thread replies; TransportError on timeout."""
@@ -517,7 +521,7 @@ class VerbsTransport(Transport):
 
     def _accept(self, req: dict[str, Any]) -> None:
         """A peer's connection request: a receiving QP towards its QP, then our reply."""
-        key = (str(req["gid"]), int(req["qpn"]))
+        key = (str(req["gid"]), int(req["qpn"]), int(req["psn"]), str(req["endpoint"]))
         reply = self._accepted.get(key)
         if reply is None:  # not a resent request
             reply = {"t": "rep", "id": req["id"]}
@@ -527,7 +531,7 @@ class VerbsTransport(Transport):
                     qp.post_recv(self._recv_wr)
                 self._to_rts(qp, key[0], key[1], int(req["psn"]), psn, int(req["mtu"]))
             except (TransportError, self._pv.Error) as ex:
-                reply["error"] = str(ex)
+                reply["error"] = str(ex)[:400]  # a datagram holds one MTU
             else:
                 reply |= {"qpn": qp.qp_num, "psn": psn, "mtu": self._mtu}
                 self._receiving[qp.qp_num] = qp
@@ -542,6 +546,7 @@ class VerbsTransport(Transport):
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
         """Queue `units` to `peer`; Completion(wr_id) comes from `poll` once all have landed."""
         with self._lock:
+            self._check_open()
             p = self._peers.get(peer)
             if p is None:
                 raise TransportError(
@@ -559,6 +564,7 @@ class VerbsTransport(Transport):
 
     def poll(self) -> Polled:
         with self._lock:
+            self._check_open()
             self._progress()
             out, self._out = self._out, Polled()
         return out
@@ -660,8 +666,16 @@ class VerbsTransport(Transport):
         idle_s = 0.0005
         while not self._stop.wait(idle_s):
             with self._lock:
-                busy = self._progress()
+                try:
+                    busy = self._progress()
+                except Exception as ex:  # reported by the next call instead of lost
+                    self._broken = f"verbs: the progress thread stopped: {ex}"
+                    return
             idle_s = 0.0 if busy else min(0.002, idle_s * 2 or 0.0001)
+
+    def _check_open(self) -> None:
+        if self._closed or self._broken:
+            raise TransportError(self._broken or "verbs: this wire is closed")
 
     def _progress(self) -> bool:
         busy = False
