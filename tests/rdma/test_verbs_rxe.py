@@ -205,6 +205,10 @@ def test_connection_data_is_checked(pair) -> None:
         a.connect("b", {"wire": "tcp"}, [])
     with pytest.raises(TransportError, match="is a tcp one"):
         a.connect("b", b.local_info(), [Descriptor("tcp", "x", 8, {})])
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises(TransportError, match="this wire is closed"):
+        b.poll()
 
 
 def start_peer(nbytes: int) -> tuple[subprocess.Popen[str], dict]:
