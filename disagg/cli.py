@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 sim_app = typer.Typer(no_args_is_help=True, help="Discrete-event simulation of a cluster.")
 app.add_typer(sim_app, name="sim")
+hw_app = typer.Typer(no_args_is_help=True, help="Real runs: torch/FlashInfer, tcp/cuda/verbs.")
+app.add_typer(hw_app, name="hw")
 console = Console()
 
 SUMMARY_ROWS = [
@@ -39,7 +41,8 @@ SUMMARY_ROWS = [
     ("transfer_bytes_per_request", "transfer MB per request", 1e-6),
     ("transfer_ops_per_request", "transfer writes per request", 1),
     ("transfer_s_p50", "transfer time p50 (ms)", 1e3),
-    ("nic_bytes_max", "busiest NIC: GB sent", 1e-9), ("nic_busy_max", "busiest NIC: busy", 1),
+    ("nic_bytes_max", "busiest NIC: GB sent", 1e-9),
+    ("nic_busy_max", "busiest NIC: busy", 1),
     ("completed", "completed", 1),
     ("failed", "failed", 1),
     ("gpus", "GPUs", 1),
@@ -204,6 +207,113 @@ def sim_sweep(
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
     console.print(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
+
+
+def _hw_missing() -> None:
+    try:
+        import torch  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as e:
+        from disagg.errors import ConfigError
+
+        raise ConfigError(
+            f"the hw backend needs torch and pyzmq: pip install -e '.[hw]' ({e})"
+        ) from None
+
+
+Wire = Annotated[str, typer.Option(help="KV wire: tcp, cuda (GPUs of one host) or verbs")]
+
+
+@hw_app.command("run")
+@guarded
+def hw_run(
+    experiment: Annotated[Path | None, typer.Argument(help="Experiment TOML file")] = None,
+    out: Annotated[Path | None, typer.Option(help="Result directory")] = None,
+    set_: Overrides = None,
+    wire: Wire = "tcp",
+    prefill_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
+    decode_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
+    pages: Annotated[int, typer.Option(help="KV pages per server")] = 512,
+) -> None:
+    """Run an experiment for real: a prefill and a decode process (or one colocated process)
+    on local devices, the workload replayed in real time; writes the same tables as sim run."""
+    _hw_missing()
+    from disagg.config import load_experiment
+    from disagg.hw.driver import HwOptions, run_hw
+
+    exp = load_experiment(experiment, set_)
+    out = out or Path("runs") / f"hw-{exp.name}"
+    opts = HwOptions(
+        wire=wire, prefill_device=prefill_device, decode_device=decode_device, num_pages=pages
+    )
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"{exp.name} (hw, {wire})", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        try:
+            summary, _ = run_hw(exp, opts, out, progress)
+        except KeyboardInterrupt:
+            console.print("interrupted: servers stopped")
+            raise typer.Exit(130) from None
+    console.print(summary_table({f"{exp.name} (hw)": summary}))
+    console.print(f"results in {out}/")
+
+
+@hw_app.command("serve")
+@guarded
+def hw_serve(
+    role: Annotated[str, typer.Option(help="prefill, decode or colocated")],
+    driver: Annotated[str, typer.Option(help="The driver's control endpoint, tcp://HOST:PORT")],
+    experiment: Annotated[Path | None, typer.Argument(help="Experiment TOML file")] = None,
+    set_: Overrides = None,
+    index: Annotated[int, typer.Option(help="Node index within its role")] = 0,
+    wire: Wire = "tcp",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
+    pages: Annotated[int, typer.Option(help="KV pages")] = 512,
+    bind: Annotated[str, typer.Option(help="Control socket to bind")] = "tcp://127.0.0.1:*",
+) -> None:
+    """Start one server for a multi-host run (see docs/hardware.md); it runs until the driver
+    says stop."""
+    _hw_missing()
+    from disagg.config import load_experiment
+    from disagg.hw.node import NodeConfig, serve
+
+    if role not in ("prefill", "decode", "colocated"):
+        from disagg.errors import ConfigError
+
+        raise ConfigError(f"--role {role!r}: use prefill, decode or colocated")
+    exp = load_experiment(experiment, set_)
+    serve(NodeConfig(role, index, exp.model_dump(mode="json"), device, wire, pages, driver, bind))
+
+
+@hw_app.command("profile")
+@guarded
+def hw_profile(
+    model: Annotated[str, typer.Option(help="Catalogue model name")] = "llama-3.1-8b",
+    layers: Annotated[int | None, typer.Option(help="Cut the model to N layers")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cuda",
+    out: Annotated[Path, typer.Option(help="CSV to write")] = Path("runs/profile.csv"),
+) -> None:
+    """Measure prefill and decode step times on the local device: a table the simulator's cost
+    model loads with cost.source = "profile:FILE"."""
+    _hw_missing()
+    from disagg.hw.profile import profile
+    from disagg.models import get_model
+
+    spec = get_model(model)
+    df = profile(spec, layers or spec.layers, device=device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    console.print(f"wrote {len(df)} rows to {out}")
 
 
 @app.command("plot")

@@ -251,8 +251,43 @@ DEEPSEEK_V3 = ModelSpec(
     mtp_layers=1,
 )
 
+# toy shapes of the same structures, for CPU runs of the real backend and for tests
+TINY_GQA = replace(
+    LLAMA_31_8B,
+    name="tiny-gqa",
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    vocab=256,
+    intermediate=128,
+)
+TINY_MLA = replace(
+    DEEPSEEK_V3,
+    name="tiny-mla",
+    hidden=64,
+    layers=2,
+    heads=4,
+    head_dim=24,
+    vocab=256,
+    intermediate=128,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_dim=16,
+    qk_rope_dim=8,
+    v_head_dim=16,
+    experts=0,
+    experts_per_token=0,
+    shared_experts=0,
+    moe_intermediate=0,
+    dense_layers=0,
+    mtp_layers=0,
+)
+
 MODELS: dict[str, ModelSpec] = {
-    m.name: m for m in (LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, DEEPSEEK_V3)
+    m.name: m
+    for m in (LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, DEEPSEEK_V3, TINY_GQA, TINY_MLA)
 }
 MODELS["deepseek-r1"] = replace(DEEPSEEK_V3, name="deepseek-r1")  # same architecture
 

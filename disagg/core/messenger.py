@@ -47,6 +47,7 @@ class PrefillRequest:
     prompt_tokens: int
     dst_pages: tuple[int, ...]
     dst_rank: int = 0  # decode DP rank holding the pages (0 under TP)
+    prompt: tuple[int, ...] = ()  # the prompt's token ids (a simulator sends none)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,9 @@ class DecodeMessenger:
             req, prefill_node, slot, expected, deadline_s=now_s + self.timeout_s
         )
         self._slot_of[req.id] = slot
-        msg = PrefillRequest(req.id, slot, self.node, req.prompt_tokens, tuple(dst[:kv_pages]))
+        msg = PrefillRequest(
+            req.id, slot, self.node, req.prompt_tokens, tuple(dst[:kv_pages]), 0, req.prompt
+        )
         return [Send(prefill_node, msg)]
 
     def _take_slot(self) -> int:

@@ -35,6 +35,7 @@ class Request:
     generated: float = 0.0
     attempts: int = 0
     fail_reason: str = ""
+    prompt: tuple[int, ...] = ()  # token ids, when a real model runs the request
     # timestamps, seconds since the start of the run
     prefill_start_s: float = NAN
     prefill_end_s: float = NAN

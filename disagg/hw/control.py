@@ -1,0 +1,131 @@
+"""The control plane between hardware processes: typed messages over ZeroMQ.
+
+Each endpoint binds one ROUTER socket (loopback by default) and opens one DEALER socket per peer
+it sends to, with its own name as identity, so every received message says who sent it.
+Messages are frozen dataclasses registered here (the messenger's own, plus the node protocol's);
+they travel as JSON. Heartbeats let an endpoint tell a live peer from a dead one: a peer that has
+not been heard from for `dead_after_s` is reported by `dead_peers()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import zmq
+
+from disagg.core import messenger
+from disagg.errors import TransportError
+
+_TYPES: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    """Make a dataclass sendable (usable as a decorator)."""
+    _TYPES[cls.__name__] = cls
+    return cls
+
+
+for _cls in (
+    messenger.PrefillRequest,
+    messenger.PrefillRejected,
+    messenger.CancelTransfer,
+    messenger.TransferAborted,
+):
+    register(_cls)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if name not in _TYPES:
+        raise TransportError(f"control plane: {name} is not a registered message type")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return json.dumps({"type": name, **fields}).encode()
+
+
+def decode(raw: bytes) -> Any:
+    data = json.loads(raw)
+    cls = _TYPES.get(data.pop("type", None))
+    if cls is None:
+        raise TransportError(f"control plane: unknown message {raw[:80]!r}")
+    for f in dataclasses.fields(cls):
+        if isinstance(data.get(f.name), list):
+            data[f.name] = tuple(data[f.name])
+    return cls(**data)
+
+
+class Control:
+    """One endpoint: `send(peer, msg)`, `recv(timeout_s) -> (sender, msg) | None`."""
+
+    def __init__(
+        self, name: str, bind: str = "tcp://127.0.0.1:*", dead_after_s: float = 5.0
+    ) -> None:
+        self.name = name
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        try:
+            self.router.bind(bind)
+        except zmq.ZMQError as e:
+            raise TransportError(f"{name}: cannot bind the control socket to {bind}: {e}") from e
+        self.endpoint: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.dealers: dict[str, zmq.Socket[bytes]] = {}
+        self.last_seen: dict[str, float] = {}
+        self.dead_after_s = dead_after_s
+        self._beat_s = 0.0
+
+    def connect(self, peer: str, endpoint: str) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self.dealers[peer] = sock
+        self.last_seen[peer] = time.monotonic()
+
+    def send(self, peer: str, msg: Any) -> None:
+        if peer not in self.dealers:
+            raise TransportError(f"{self.name}: no connection to {peer!r}")
+        self.dealers[peer].send(encode(msg))
+
+    def recv(self, timeout_s: float = 0.0) -> tuple[str, Any] | None:
+        """The next message (skipping heartbeats), waiting up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.router.poll(wait_ms):
+                return None
+            sender_raw, raw = self.router.recv_multipart()
+            sender = sender_raw.decode()
+            self.last_seen[sender] = time.monotonic()
+            msg = decode(raw)
+            if not isinstance(msg, Heartbeat):
+                return sender, msg
+            if time.monotonic() >= deadline:
+                return None
+
+    def heartbeat(self, every_s: float = 0.5) -> None:
+        """Send a heartbeat to every peer, at most every `every_s`."""
+        now = time.monotonic()
+        if now - self._beat_s < every_s:
+            return
+        self._beat_s = now
+        for peer in self.dealers:
+            self.send(peer, Heartbeat())
+
+    def dead_peers(self) -> list[str]:
+        now = time.monotonic()
+        return [p for p in self.dealers if now - self.last_seen.get(p, now) > self.dead_after_s]
+
+    def close(self) -> None:
+        for sock in self.dealers.values():
+            sock.close(0)
+        self.dealers.clear()
+        self.router.close(0)

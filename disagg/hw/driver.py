@@ -1,0 +1,254 @@
+"""`disagg hw run`: start the servers, replay the workload in real time, collect the tables.
+
+The driver spawns one process per server (or waits for servers started elsewhere with
+`disagg hw serve`), introduces them to each other, replays the experiment's arrivals against
+the wall clock, and gathers what each request finished with. It writes the same requests,
+steps and transfers tables and summary as `disagg sim run`. Every child is stopped on the way
+out, Ctrl-C included; a server that dies is an error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disagg.config import Experiment
+from disagg.core.metrics import (
+    Recorder,
+    requests_table,
+    steps_table,
+    summarize,
+    transfers_table,
+    write_results,
+)
+from disagg.core.request import Request, Status
+from disagg.core.workload import generate
+from disagg.errors import ConfigError, TransportError
+from disagg.hw.control import Control
+from disagg.hw.node import (
+    Finished,
+    NodeConfig,
+    NodeUp,
+    Peers,
+    Records,
+    Shutdown,
+    Start,
+    Started,
+    Submit,
+    serve,
+)
+
+
+@dataclass(frozen=True)
+class HwOptions:
+    wire: str = "tcp"
+    prefill_device: str = "cpu"
+    decode_device: str = "cpu"
+    num_pages: int = 512  # KV pages per server
+    attention: str = "auto"
+    return_logits: bool = False
+    start_timeout_s: float = 600.0  # model build, CUDA graphs, FlashInfer JIT
+    drain_timeout_s: float = 600.0  # after the last arrival
+    external: tuple[str, ...] = ()  # servers started elsewhere (disagg hw serve), by name
+    bind: str = "tcp://127.0.0.1:*"
+
+
+@dataclass
+class HwRun:
+    requests: dict[int, Request] = field(default_factory=dict)
+    finished: dict[int, Finished] = field(default_factory=dict)
+    records: dict[str, Records] = field(default_factory=dict)
+
+
+def node_configs(exp: Experiment, opts: HwOptions, driver: str) -> list[NodeConfig]:
+    def config(role: str, device: str) -> NodeConfig:
+        return NodeConfig(
+            role,
+            0,
+            exp.model_dump(mode="json"),
+            device,
+            opts.wire,
+            opts.num_pages,
+            driver,
+            attention=opts.attention,
+            return_logits=opts.return_logits,
+        )
+
+    if exp.cluster.mode == "colocated":
+        return [config("colocated", opts.decode_device)]
+    return [config("prefill", opts.prefill_device), config("decode", opts.decode_device)]
+
+
+def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
+    """Seeded random prompt token ids (the model's weights are random too)."""
+    rng = np.random.default_rng(exp.seed + 1)
+    vocab = exp.model.spec.vocab
+    return [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in lengths]
+
+
+class Driver:
+    def __init__(self, exp: Experiment, opts: HwOptions) -> None:
+        self.exp, self.opts = exp, opts
+        self.control = Control("driver", opts.bind, dead_after_s=30.0)
+        self.configs = node_configs(exp, opts, self.control.endpoint)
+        self.procs: dict[str, Any] = {}
+        self.run_state = HwRun()
+
+    # -- starting
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for cfg in self.configs:
+            if cfg.name in self.opts.external:
+                continue
+            proc = ctx.Process(target=serve, args=(cfg,), name=cfg.name, daemon=True)
+            proc.start()
+            self.procs[cfg.name] = proc
+        ups: dict[str, NodeUp] = self._gather(NodeUp, self.opts.start_timeout_s, "start")
+        for up in ups.values():
+            self.control.connect(up.name, up.endpoint)
+        for name in ups:
+            others = tuple(vars(u) for n, u in ups.items() if n != name)
+            self.control.send(name, Peers(others))
+        self._gather(Started, 120.0, "connect")
+
+    def _gather(self, kind: type, timeout_s: float, what: str) -> dict[str, Any]:
+        names = {c.name for c in self.configs}
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while set(got) != names:
+            self.check_children()
+            if time.monotonic() > deadline:
+                missing = sorted(names - set(got))
+                raise TransportError(f"servers {missing} did not {what} within {timeout_s:g} s")
+            msg = self.control.recv(0.5)
+            if msg is not None and isinstance(msg[1], kind):
+                got[msg[0]] = msg[1]
+            elif msg is not None and isinstance(msg[1], Records) and msg[1].error:
+                raise TransportError(msg[1].error)
+        return got
+
+    def check_children(self) -> None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                raise TransportError(f"server {name} died (exit code {proc.exitcode})")
+
+    # -- replaying
+    def replay(self, progress: Callable[[int, int], None] | None = None) -> HwRun:
+        arrivals = generate(self.exp.workload, self.exp.seed, Path(self.exp.base_dir))
+        if not arrivals:
+            raise ConfigError("the workload produced no requests")
+        prompts = prompts_for(self.exp, [a.prompt_tokens for a in arrivals])
+        entry = self.configs[-1].name  # the decode (or colocated) server takes requests
+        t0 = time.time()
+        for cfg in self.configs:
+            self.control.send(cfg.name, Start(t0))
+        pending = list(zip(arrivals, prompts, strict=True))
+        last_arrival = arrivals[-1].arrival_s
+        state = self.run_state
+        while len(state.finished) < len(arrivals):
+            now = time.time() - t0
+            while pending and pending[0][0].arrival_s <= now:
+                a, prompt = pending.pop(0)
+                state.requests[a.request_id] = Request(
+                    a.request_id,
+                    a.arrival_s,
+                    a.prompt_tokens,
+                    a.output_tokens,
+                    prefill_node=0,
+                    decode_node=0,
+                )
+                self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
+            self._receive(0.001 if pending else 0.05)
+            if progress:
+                progress(len(state.finished), len(arrivals))
+            if now > last_arrival + self.opts.drain_timeout_s:
+                raise TransportError(
+                    f"{len(arrivals) - len(state.finished)} requests unfinished "
+                    f"{self.opts.drain_timeout_s:g} s after the last arrival"
+                )
+        return state
+
+    def _receive(self, timeout_s: float) -> None:
+        self.check_children()
+        msg = self.control.recv(timeout_s)
+        while msg is not None:
+            body = msg[1]
+            if isinstance(body, Finished):
+                self.run_state.finished[body.req_id] = body
+            elif isinstance(body, Records):
+                self.run_state.records[body.name] = body
+                if body.error:
+                    raise TransportError(body.error)
+            msg = self.control.recv(0.0)
+
+    # -- stopping
+    def stop(self) -> None:
+        """Ask every server to stop, collect its records, and make sure no child is left."""
+        names = [c.name for c in self.configs]
+        for name in names:
+            if name in self.control.dealers:
+                self.control.send(name, Shutdown())
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline and len(self.run_state.records) < len(
+            self.control.dealers
+        ):
+            msg = self.control.recv(0.2)
+            if msg is not None and isinstance(msg[1], Records):
+                self.run_state.records[msg[1].name] = msg[1]
+        for proc in self.procs.values():
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5.0)
+        self.control.close()
+
+
+def run_hw(
+    exp: Experiment, opts: HwOptions, out: Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[dict[str, Any], HwRun]:
+    """Run the experiment on local devices; write the tables to `out`; return the summary."""
+    start = time.perf_counter()
+    driver = Driver(exp, opts)
+    try:
+        driver.start()
+        state = driver.replay(progress)
+    finally:
+        driver.stop()
+    wall = time.perf_counter() - start
+    req, steps, xfers = tables(state)
+    summary = summarize(req, steps, xfers, len(driver.configs), wall)
+    summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
+    write_results(out, req, steps, xfers, summary)
+    (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    return summary, state
+
+
+def tables(state: HwRun) -> tuple[Any, Any, Any]:
+    """The run's requests, steps and transfers tables (same columns as the simulator's)."""
+    rec = Recorder()
+    prefill_times: dict[int, tuple[float, float]] = {}
+    for records in state.records.values():
+        rec.steps.extend(tuple(s) for s in records.steps)
+        for req_id, nbytes, ops, first_s, p_start, p_end in records.transfers:
+            req = state.requests[req_id]
+            rec.transfer(req, nbytes, ops, first_s)
+            prefill_times[req_id] = (p_start, p_end)
+    for req_id, fin in state.finished.items():
+        req = state.requests[req_id]
+        req.status = Status(fin.status)
+        req.fail_reason = fin.reason
+        for key, value in fin.times.items():
+            if value is not None and not math.isnan(value):
+                setattr(req, key, value)
+        if req_id in prefill_times:
+            req.prefill_start_s, req.prefill_end_s = prefill_times[req_id]
+            rec.landed(req_id, req.ready_s)
+    rec.steps.sort(key=lambda s: (s[2], s[0]))
+    return requests_table(state.requests.values()), steps_table(rec), transfers_table(rec)

@@ -1,0 +1,640 @@
+"""Prefill, decode and colocated servers: the core's schedulers and messenger on a real model.
+
+Each server is one process with one main loop that owns the core objects (they are not
+thread-safe). The only other threads are the layer watcher, which turns the GPU layer counter
+into "layers done" values on a queue, and whatever a wire runs inside. A server talks to the
+driver (`disagg.hw.driver`) and its peers over the ZeroMQ control plane, and moves KV pages over
+a wire (tcp, cuda or verbs):
+
+    driver -> Submit -> decode: reserve pages, PrefillRequest -> prefill
+    prefill: chunks -> forward pass; counter moves -> PostWrites -> wire.post(units, imm=slot)
+    decode: immediates -> Ready -> decode passes -> Finished -> driver
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg.config import Experiment
+from disagg.core import messenger as m
+from disagg.core.kvcache import PagePool
+from disagg.core.request import Request, Status
+from disagg.core.scheduler import Batch, ColocatedScheduler, DecodeScheduler, PrefillScheduler
+from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
+from disagg.errors import DisaggError
+from disagg.hw.batch import Seq
+from disagg.hw.control import Control, register
+from disagg.hw.model import Transformer
+from disagg.hw.runner import LayerWatcher, Runner
+from disagg.hw.transport import make_transport
+from disagg.hw.transport.base import Descriptor, Transport, Unit, Write
+
+META_SLOTS = 4096  # rows of the decode side's metadata buffer (one per in-flight request)
+
+
+# ---- the node protocol (driver <-> servers) ---------------------------------------------------
+@register
+@dataclass(frozen=True)
+class NodeUp:
+    name: str
+    endpoint: str
+    wire_info: dict[str, Any]
+    regions: tuple[dict[str, Any], ...]
+
+
+@register
+@dataclass(frozen=True)
+class Peers:
+    peers: tuple[dict[str, Any], ...]  # NodeUp fields of every other server
+
+
+@register
+@dataclass(frozen=True)
+class Started:
+    name: str
+
+
+@register
+@dataclass(frozen=True)
+class Start:
+    t0: float  # wall-clock origin of every timestamp
+
+
+@register
+@dataclass(frozen=True)
+class Submit:
+    req_id: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    output_tokens: int
+
+
+@register
+@dataclass(frozen=True)
+class Finished:
+    req_id: int
+    status: str
+    reason: str
+    tokens: tuple[int, ...]
+    times: dict[str, float]  # prefill_start_s, prefill_end_s, ready_s, first_token_s, finish_s
+    logits: tuple[float, ...] = ()  # last step's logits (when the driver asks for them)
+    metadata_sum: float = math.nan  # sum of the hidden state handed over (or computed) for MTP
+    prefill_node: int = 0
+    decode_node: int = 0
+
+
+@register
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@register
+@dataclass(frozen=True)
+class Records:
+    name: str
+    steps: tuple[tuple[Any, ...], ...]
+    # request_id, bytes, write ops, first post s, prefill start s, prefill end s
+    transfers: tuple[tuple[Any, ...], ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a server process needs (picklable: it crosses a spawn)."""
+
+    role: str  # prefill | decode | colocated
+    index: int
+    experiment: dict[str, Any]
+    device: str
+    wire: str
+    num_pages: int
+    driver: str  # the driver's control endpoint
+    bind: str = "tcp://127.0.0.1:*"
+    attention: str = "auto"
+    return_logits: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+
+def serve(cfg: NodeConfig) -> None:
+    """Process body: build the server for `cfg.role` and run it until Shutdown."""
+    server: Server = {
+        "prefill": PrefillServer,
+        "decode": DecodeServer,
+        "colocated": ColocatedServer,
+    }[cfg.role](cfg)
+    server.run()
+
+
+# ---- common server ---------------------------------------------------------------------------
+@dataclass
+class _Stats:
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
+    transfers: dict[int, list[Any]] = field(default_factory=dict)
+
+
+class Server:
+    role = "server"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.exp = Experiment.model_validate(cfg.experiment)
+        self.spec = self.exp.model.spec
+        self.layers = self.spec.layers
+        self.control = Control(cfg.name, cfg.bind)
+        self.control.connect("driver", cfg.driver)
+        self.model = Transformer(self.spec, seed=self.exp.seed, device=cfg.device)
+        kv = self.exp.kv
+        self.cache = self.model.new_cache(cfg.num_pages, kv.page_size, kv.layout)
+        self.pool = PagePool(cfg.num_pages, kv.page_size, cfg.name)
+        self.runner = Runner(self.model, self.cache, attention=cfg.attention)
+        self.stats = _Stats()
+        self.t0 = time.time()
+        self.running = True
+        self.wire: Transport | None = None
+
+    # -- lifecycle
+    def run(self) -> None:
+        error = ""
+        try:
+            self.announce()
+            self.wait_start()
+            while self.running:
+                self.tick()
+        except DisaggError as e:
+            error = f"{self.cfg.name}: {e}"
+        except Exception:  # report, then die: the driver names the node and the error
+            error = f"{self.cfg.name} crashed:\n{traceback.format_exc()}"
+        self.control.send(
+            "driver",
+            Records(
+                self.cfg.name,
+                tuple(self.stats.steps),
+                tuple(tuple(v) for v in self.stats.transfers.values()),
+                error,
+            ),
+        )
+        time.sleep(0.2)  # let the message leave before the sockets close
+        if self.wire is not None:
+            self.wire.close()
+        self.control.close()
+
+    def announce(self) -> None:
+        self.wire = make_transport(self.cfg.wire, endpoint=self.cfg.name)
+        regions = [
+            self.wire.register(f"kv{i}", self.cache.layer_bytes(i)).to_dict()
+            for i in range(self.layers)
+        ]
+        regions += [self.wire.register("meta", self.meta).to_dict()]
+        self.control.send(
+            "driver",
+            NodeUp(self.cfg.name, self.control.endpoint, self.wire.local_info(), tuple(regions)),
+        )
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """Metadata rows (float32 hidden states), one per slot; registered with the wire."""
+        if not hasattr(self, "_meta"):
+            self._meta = torch.zeros(
+                (META_SLOTS, self.spec.hidden), dtype=torch.float32, device=self.model.device
+            )
+        return self._meta
+
+    def wait_start(self) -> None:
+        while True:
+            got = self.control.recv(1.0)
+            if got is None:
+                continue
+            _, msg = got
+            if isinstance(msg, Peers):
+                for p in msg.peers:
+                    self.meet(p)
+                self.control.send("driver", Started(self.cfg.name))
+            elif isinstance(msg, Start):
+                self.t0 = msg.t0
+                return
+            elif isinstance(msg, Shutdown):
+                self.running = False
+                return
+
+    def meet(self, peer: dict[str, Any]) -> None:
+        self.control.connect(peer["name"], peer["endpoint"])
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def tick(self) -> None:
+        """One turn of the main loop: messages, wire events, then at most one forward pass."""
+        busy = self.step()
+        got = self.control.recv(0.0 if busy else 0.002)
+        while got is not None:
+            if isinstance(got[1], Shutdown):
+                self.running = False
+                return
+            self.on_message(got[1])
+            got = self.control.recv(0.0)
+        self.control.heartbeat()
+        for peer in self.control.dead_peers():
+            self.on_dead(peer)
+
+    def on_message(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def on_dead(self, peer: str) -> None:
+        if peer == "driver":
+            self.running = False
+
+    def step(self) -> bool:
+        """Run one forward pass if there is work; True if one ran."""
+        raise NotImplementedError
+
+    def record(self, kind: str, start: float, batch: Batch, decode_seqs: int) -> None:
+        n = batch.prefill_tokens + decode_seqs
+        self.stats.steps.append(
+            (
+                self.cfg.name,
+                kind,
+                start,
+                self.now() - start,
+                1,
+                len(batch.chunks) + decode_seqs,
+                decode_seqs,
+                n,
+                batch.prefill_tokens,
+            )
+        )
+
+    def sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+
+def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
+    """One rank on each side (one GPU per process): one write per page per layer."""
+    spec = exp.model.spec
+    dtype = {4: "fp32", 2: "bf16", 1: "fp8"}[elem_bytes]
+    return plan_transfer(
+        shard_layout(spec, 1),
+        shard_layout(spec, 1),
+        exp.kv.page_size,
+        exp.kv.layout,
+        dtype,
+        exp.seed,
+    )
+
+
+# ---- prefill -----------------------------------------------------------------------------
+class PrefillServer(Server):
+    role = "prefill"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        t = self.exp.transfer
+        self.messenger = m.PrefillMessenger(cfg.index, self.pool, self.layers, t.policy)
+        group = self.exp.cluster.prefill
+        self.scheduler = PrefillScheduler(group.token_budget, group.max_batch)
+        self.plan = _single_gpu_plan(self.exp, self.cache.layers[0].element_size())
+        self.requests: dict[int, Request] = {}
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.posts: dict[int, int] = {}  # wr_id -> req_id
+        self._wr = 0
+        self.layer_q: queue.Queue[int] = queue.Queue()
+        self.watcher = LayerWatcher(self.runner.counter, self.layer_q.put).start()
+
+    def meet(self, peer: dict[str, Any]) -> None:
+        super().meet(peer)
+        assert self.wire is not None
+        regions = [Descriptor.from_dict(d) for d in peer["regions"]]
+        self.wire.connect(peer["name"], peer["wire_info"], regions)
+
+    def on_message(self, msg: Any) -> None:
+        if isinstance(msg, m.PrefillRequest):
+            self.prompts[msg.req_id] = msg.prompt
+        self.execute(self.messenger.on_message(msg))
+
+    def on_dead(self, peer: str) -> None:
+        super().on_dead(peer)
+        if peer.startswith("decode"):
+            self.execute(self.messenger.on_peer_dead(int(peer[6:]), "no heartbeat"))
+
+    def execute(self, cmds: list[m.Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, m.Send):
+                self.control.send(f"decode{cmd.node}", cmd.msg)
+            elif isinstance(cmd, m.Prefill):
+                prompt = self.prompts.pop(cmd.req_id)
+                req = Request(cmd.req_id, 0.0, len(prompt), 1, prompt=prompt)
+                self.requests[req.id] = req
+                self.scheduler.add(req, cmd.tokens)
+            elif isinstance(cmd, m.Unschedule):
+                self.scheduler.remove(cmd.req_id)
+            elif isinstance(cmd, m.PostWrites):
+                self.post(cmd.req_id, f"decode{cmd.decode_node}", self.page_units(cmd))
+            elif isinstance(cmd, m.PostMetadata):
+                self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
+
+    def page_units(self, cmd: m.PostWrites) -> list[Unit]:
+        units = []
+        pairs = list(zip(cmd.src_pages, cmd.dst_pages, strict=True))
+        for layer in cmd.layers:
+            region = f"kv{layer}"
+            writes = self.plan.writes(pairs)
+            per_page = len(writes) // len(pairs)
+            for i, imm in enumerate(cmd.imm):
+                page = writes[i * per_page : (i + 1) * per_page]
+                units.append(
+                    Unit(
+                        [Write(region, w.src_offset, region, w.dst_offset, w.nbytes) for w in page],
+                        cmd.slot if imm else None,
+                    )
+                )
+        return units
+
+    def meta_unit(self, cmd: m.PostMetadata) -> Unit:
+        if cmd.slot >= META_SLOTS:
+            raise DisaggError(f"metadata slot {cmd.slot} >= {META_SLOTS} rows")
+        row = self.meta.shape[1] * 4
+        off = cmd.slot * row
+        return Unit([Write("meta", off, "meta", off, row)], cmd.slot)
+
+    def post(self, req_id: int, peer: str, units: list[Unit]) -> None:
+        assert self.wire is not None
+        self._wr += 1
+        self.posts[self._wr] = req_id
+        t = self.transfer_row(req_id)
+        t[3] = min(t[3], self.now())
+        t[1] += sum(w.nbytes for u in units for w in u.writes)
+        t[2] += sum(len(u.writes) for u in units)
+        self.wire.post(peer, units, self._wr)
+
+    def transfer_row(self, req_id: int) -> list[Any]:
+        nan = math.nan
+        return self.stats.transfers.setdefault(req_id, [req_id, 0, 0, math.inf, nan, nan])
+
+    def poll_wire(self) -> None:
+        assert self.wire is not None
+        for c in self.wire.poll().completions:
+            req_id = self.posts.pop(c.wr_id)
+            self.execute(self.messenger.on_posted(req_id, c.ok, c.error))
+
+    def tick(self) -> None:
+        self.poll_wire()
+        super().tick()
+
+    def step(self) -> bool:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return False
+        start = self.now()
+        for c in batch.chunks:
+            if math.isnan(c.req.prefill_start_s):
+                c.req.prefill_start_s = start
+        self.execute(self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks]))
+        seqs = [
+            Seq.of(
+                c.req.prompt[c.start : c.start + c.tokens], c.start, self.pool.pages_of(c.req.id)
+            )
+            for c in batch.chunks
+        ]
+        out = self.runner.step(seqs)
+        for i, c in enumerate(batch.chunks):
+            if c.last:  # hidden state of the token before the last prompt token (stream order)
+                self.meta[self.messenger.outbound[c.req.id].msg.slot] = out.hidden[i].float()
+        self.follow_layers(out.layers_before)
+        self.sync()
+        for r in self.scheduler.complete(batch).prefilled:
+            row = self.transfer_row(r.id)
+            row[4], row[5] = r.prefill_start_s, self.now()
+            del self.requests[r.id]
+        self.execute(self.messenger.on_batch_done())
+        self.record("prefill", start, batch, 0)
+        return True
+
+    def follow_layers(self, before: int) -> None:
+        """Post each layer's pages as the watcher sees the counter pass it."""
+        done = 0
+        while done < self.layers:
+            try:
+                n = self.layer_q.get(timeout=0.001) - before
+            except queue.Empty:
+                self.poll_wire()
+                continue
+            if n > done:
+                done = min(n, self.layers)
+                self.execute(self.messenger.on_layers(done))
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.watcher.stop()
+
+
+# ---- decode ------------------------------------------------------------------------------
+class DecodeServer(Server):
+    role = "decode"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        t, group = self.exp.transfer, self.exp.cluster.decode
+        self.plan = _single_gpu_plan(self.exp, self.cache.layers[0].element_size())
+        self.messenger = m.DecodeMessenger(
+            cfg.index, self.pool, self.expected, max_attempts=t.max_attempts, timeout_s=t.timeout_s
+        )
+        self.scheduler = DecodeScheduler(group.max_batch)
+        self.requests: dict[int, Request] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}
+        self.meta_sums: dict[int, float] = {}
+
+    def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
+        return self.plan.expected_immediates(pages, self.layers, metadata=True)
+
+    def on_message(self, msg: Any) -> None:
+        if isinstance(msg, Submit):
+            req = Request(
+                msg.req_id, msg.arrival_s, len(msg.prompt), msg.output_tokens, prompt=msg.prompt
+            )
+            self.requests[req.id], self.outputs[req.id] = req, []
+            self.execute(self.messenger.submit(req, 0, self.now()))
+        else:
+            self.execute(self.messenger.on_message(msg))
+
+    def on_dead(self, peer: str) -> None:
+        super().on_dead(peer)
+        if peer.startswith("prefill"):
+            self.execute(self.messenger.on_peer_dead(int(peer[7:]), "no heartbeat"))
+
+    def execute(self, cmds: list[m.Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, m.Send):
+                if isinstance(cmd.msg, m.PrefillRequest):
+                    self.slots[cmd.msg.req_id] = cmd.msg.slot
+                self.control.send(f"prefill{cmd.node}", cmd.msg)
+            elif isinstance(cmd, m.Ready):
+                req = self.requests[cmd.req_id]
+                req.ready_s = self.now()
+                if cmd.req_id in self.slots:
+                    self.meta_sums[req.id] = float(self.meta[self.slots.pop(req.id)].sum())
+                self.scheduler.add_ready(req)
+            elif isinstance(cmd, m.Failed):
+                self.finish(self.requests[cmd.req_id])
+            elif isinstance(cmd, m.Retry):
+                self.execute(self.messenger.submit(self.requests[cmd.req_id], 0, self.now()))
+
+    def tick(self) -> None:
+        assert self.wire is not None
+        for imm in self.wire.poll().immediates:
+            self.execute(self.messenger.on_immediates(imm))
+        self.execute(self.messenger.check_timeouts(self.now()))
+        super().tick()
+
+    def step(self) -> bool:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return False
+        start = self.now()
+        seqs = []
+        for r in batch.decodes:
+            out = self.outputs[r.id]
+            last = out[-1] if out else r.prompt[-1]
+            seqs.append(Seq.of([last], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id)))
+        res = self.runner.step(seqs, sample=True)
+        assert res.tokens is not None
+        for r, tok in zip(batch.decodes, res.tokens, strict=True):
+            self.outputs[r.id].append(tok)
+        for r in batch.decodes:
+            if r.generated == 0:
+                r.first_token_s = self.now()
+        done = self.scheduler.complete(batch).finished
+        self.record("decode", start, batch, len(batch.decodes))
+        for i, r in enumerate(batch.decodes):
+            if r in done:
+                self.finish(r, res.logits[i])
+                self.execute(self.messenger.release(r.id, self.now()))
+        return True
+
+    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
+        if req.status is Status.FINISHED:
+            req.finish_s = self.now()
+        self.control.send(
+            "driver",
+            _finished(
+                req,
+                self.outputs.get(req.id, []),
+                logits,
+                self.cfg.return_logits,
+                self.meta_sums.pop(req.id, math.nan),
+            ),
+        )
+
+
+# ---- colocated ---------------------------------------------------------------------------
+class ColocatedServer(Server):
+    role = "colocated"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        g = self.exp.cluster.colocated
+        self.scheduler = ColocatedScheduler(self.pool, g.token_budget, g.max_batch)
+        self.outputs: dict[int, list[int]] = {}
+        self.meta_sums: dict[int, float] = {}
+
+    def announce(self) -> None:  # no wire: nothing crosses a network
+        self.control.send("driver", NodeUp(self.cfg.name, self.control.endpoint, {}, ()))
+
+    def on_message(self, msg: Any) -> None:
+        if isinstance(msg, Submit):
+            req = Request(
+                msg.req_id, msg.arrival_s, len(msg.prompt), msg.output_tokens, prompt=msg.prompt
+            )
+            self.outputs[req.id] = []
+            self.scheduler.add(req)
+            if req.status is Status.FAILED:
+                self.finish(req)
+
+    def step(self) -> bool:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return False
+        start = self.now()
+        seqs = [
+            Seq.of(
+                c.req.prompt[c.start : c.start + c.tokens],
+                c.start,
+                self.pool.pages_of(c.req.id),
+                hidden_at=-2 if c.tokens > 1 else None,
+            )
+            for c in batch.chunks
+        ]
+        for r in batch.decodes:
+            out = self.outputs[r.id]
+            seqs.append(Seq.of([out[-1]], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id)))
+        for c in batch.chunks:
+            if math.isnan(c.req.prefill_start_s):
+                c.req.prefill_start_s = start
+        res = self.runner.step(seqs, sample=True)
+        assert res.tokens is not None
+        rows = [c.req for c in batch.chunks] + batch.decodes
+        for i, c in enumerate(batch.chunks):
+            if c.last:
+                self.outputs[c.req.id].append(res.tokens[i])
+                if c.tokens > 1:
+                    self.meta_sums[c.req.id] = float(res.hidden[i].float().sum())
+        for r, tok in zip(batch.decodes, res.tokens[len(batch.chunks) :], strict=True):
+            self.outputs[r.id].append(tok)
+        progress = self.scheduler.complete(batch)
+        for r in progress.prefilled:
+            r.prefill_end_s = r.first_token_s = self.now()
+        self.record("mixed" if batch.chunks else "decode", start, batch, len(batch.decodes))
+        for r in progress.finished:
+            self.finish(r, res.logits[rows.index(r)])
+        return True
+
+    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
+        if req.status is Status.FINISHED:
+            req.finish_s = self.now()
+        self.control.send(
+            "driver",
+            _finished(
+                req,
+                self.outputs.get(req.id, []),
+                logits,
+                self.cfg.return_logits,
+                self.meta_sums.pop(req.id, math.nan),
+            ),
+        )
+
+
+def _finished(
+    req: Request, tokens: list[int], logits: torch.Tensor | None, with_logits: bool, meta_sum: float
+) -> Finished:
+    times = {
+        k: getattr(req, k)
+        for k in ("prefill_start_s", "prefill_end_s", "ready_s", "first_token_s", "finish_s")
+    }
+    values: tuple[float, ...] = ()
+    if with_logits and logits is not None:
+        values = tuple(np.asarray(logits.float().cpu()).tolist())
+    return Finished(
+        req.id,
+        str(req.status),
+        req.fail_reason,
+        tuple(tokens),
+        times,
+        values,
+        meta_sum,
+        req.prefill_node,
+        req.decode_node,
+    )

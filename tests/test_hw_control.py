@@ -1,0 +1,48 @@
+"""The ZeroMQ control plane: typed messages between real processes, heartbeats, dead peers."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from disagg.core.messenger import PrefillRequest, TransferAborted
+from disagg.errors import TransportError
+from disagg.hw.control import Control, decode, encode
+
+
+def test_messages_round_trip() -> None:
+    msg = PrefillRequest(7, 3, 1, 100, (4, 5, 6), 0)
+    assert decode(encode(msg)) == msg
+    with pytest.raises(TransportError, match="not a registered message"):
+        encode(object())
+
+
+def _echo(endpoint: str, q: mp.Queue) -> None:
+    c = Control("prefill0")
+    q.put(c.endpoint)
+    c.connect("decode0", endpoint)
+    got = c.recv(10.0)
+    assert got is not None
+    sender, msg = got
+    c.send(sender, TransferAborted(msg.req_id, f"echo from {c.name}"))
+    time.sleep(0.5)
+    c.close()
+
+
+def test_two_processes_exchange_messages_and_a_silent_peer_is_dead() -> None:
+    ctx = mp.get_context("spawn")
+    me = Control("decode0", dead_after_s=1.0)
+    q: mp.Queue = ctx.Queue()
+    p = ctx.Process(target=_echo, args=(me.endpoint, q))
+    p.start()
+    me.connect("prefill0", q.get(timeout=30))
+    me.send("prefill0", PrefillRequest(9, 0, 0, 10, (1,), 0))
+    got = me.recv(10.0)
+    assert got == ("prefill0", TransferAborted(9, "echo from prefill0"))
+    p.join(10)
+    assert me.dead_peers() == []
+    time.sleep(1.2)
+    assert me.dead_peers() == ["prefill0"]
+    me.close()
