@@ -237,7 +237,7 @@ class Server:
     def tick(self) -> None:
         """One turn of the main loop: messages, wire events, then at most one forward pass."""
         busy = self.step()
-        got = self.control.recv(0.0 if busy else 0.002)
+        got = self.control.recv(0.0 if busy else self.idle_wait_s())
         while got is not None:
             if isinstance(got[1], Shutdown):
                 self.running = False
@@ -250,6 +250,10 @@ class Server:
 
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
+
+    def idle_wait_s(self) -> float:
+        """How long an idle loop waits for a control message (they wake it at once)."""
+        return 0.002
 
     def on_dead(self, peer: str) -> None:
         if peer == "driver":
@@ -457,6 +461,10 @@ class DecodeServer(Server):
         self.outputs: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
         self.meta_sums: dict[int, float] = {}
+
+    def idle_wait_s(self) -> float:
+        # immediates do not wake the loop: poll the wire often while transfers are in flight
+        return 50e-6 if self.messenger.inbound else 0.002
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
         return self.plan.expected_immediates(pages, self.layers, metadata=True)

@@ -1,0 +1,154 @@
+"""TTFT of a disaggregated run minus a colocated one, on real GPUs, over the cuda wire.
+
+    python benchmarks/gpu_ttft.py --prefill-device 0 --decode-device 0 --out DIR
+    python benchmarks/gpu_ttft.py --prefill-device cpu --decode-device cpu --wire tcp \
+        --model tiny-gqa --prompts 64,128,256 --spacing-s 0.5     # a dry run without a GPU
+
+Llama-3.1-8B shapes at full depth (random weights, bf16, FlashInfer, HND pages of 16 tokens).
+Three runs of the same requests: colocated (one process), disaggregated with layer-wise
+transfer, disaggregated with whole-request transfer (a prefill process and a decode process;
+on one GPU they share it). Prompts of 2k, 8k and 32k tokens, one request at a time (spaced so
+they do not overlap), 8 output tokens; the first request of each run is a warm-up and is left
+out. TTFT is measured by the driver's wall clock from arrival to the first token.
+
+The target (issue 4): layer-wise disaggregated TTFT within one layer's transfer plus one decode
+step of colocated. One layer's transfer is that layer's KV bytes at the bandwidth of a plain
+device copy measured here; the decode step is the decode server's median batch-1 pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from disagg.config import build_experiment
+from disagg.hw.driver import HwOptions, run_hw
+from disagg.models import get_model
+
+REPEATS = 3
+PAGE = 16
+
+
+def trace(path: Path, prompts: list[int], spacing_s: float) -> Path:
+    """Warm-up request, then REPEATS requests of each prompt length (a Mooncake JSONL)."""
+    lines, t = [], 0.0
+    for n in (prompts[0], *[p for p in prompts for _ in range(REPEATS)]):
+        lines.append(json.dumps({"timestamp": t * 1e3, "input_length": n, "output_length": 8}))
+        t += spacing_s
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def device(arg: str) -> str:
+    return arg if arg.startswith(("cpu", "cuda")) else f"cuda:{arg}"
+
+
+def experiment(model: str, mode: str, policy: str, trace_path: Path, budget: int) -> dict:
+    group = {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8}
+    return {
+        "name": f"{model}-{mode}-{policy}",
+        "seed": 0,
+        "model": {"name": model, "weight_dtype": "bf16"},
+        "cluster": {"mode": mode, "colocated": group, "prefill": group, "decode": group},
+        "kv": {"page_size": PAGE, "layout": "HND"},
+        "transfer": {"policy": policy},
+        "workload": {"trace": str(trace_path)},
+    }
+
+
+def copy_bandwidth(dev: str, nbytes: int) -> float:
+    """Bytes/s of a plain device-to-device copy of `nbytes` (median of 20, after warm-up)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    if not dev.startswith("cuda"):
+        t = time.perf_counter()
+        b.copy_(a)
+        return nbytes / (time.perf_counter() - t)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill-device", default="0")
+    ap.add_argument("--decode-device", default="0")
+    ap.add_argument("--pages", type=int, default=6144)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--wire", default="cuda")
+    ap.add_argument("--prompts", default="2048,8192,32768")
+    ap.add_argument("--spacing-s", type=float, default=6.0)
+    ap.add_argument("--out", type=Path, default=Path("runs/gpu_ttft"))
+    args = ap.parse_args()
+    pdev, ddev = device(args.prefill_device), device(args.decode_device)
+    prompts = [int(p) for p in args.prompts.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    tpath = trace(Path(tempfile.mkdtemp()) / "ttft.jsonl", prompts, args.spacing_s)
+    runs = {
+        "colocated": ("colocated", "layerwise"),
+        "layerwise": ("disagg", "layerwise"),
+        "whole": ("disagg", "whole"),
+    }
+    ttft: dict[str, dict[int, float]] = {}
+    decode_step: dict[str, float] = {}
+    for label, (mode, policy) in runs.items():
+        t = time.perf_counter()
+        exp = build_experiment(experiment(args.model, mode, policy, tpath, max(prompts)))
+        opts = HwOptions(
+            wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
+        )
+        summary, _ = run_hw(exp, opts, args.out / label)
+        req = pd.read_parquet(args.out / label / "requests.parquet").iloc[1:]  # no warm-up
+        ttft[label] = req.groupby("prompt_tokens").ttft_s.median().to_dict()
+        steps = pd.read_parquet(args.out / label / "steps.parquet")
+        one = steps[(steps.kind == "decode") & (steps.decode_seqs == 1)]
+        decode_step[label] = float(one.duration_s.median()) if len(one) else float("nan")
+        print(
+            f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
+    kv_layer = get_model(args.model).kv_bytes_per_token_per_layer("bf16")
+    bw = copy_bandwidth(pdev, max(prompts) * kv_layer)
+    rows = []
+    for n in prompts:
+        layer_s = n * kv_layer / bw
+        bound = layer_s + decode_step["colocated"]
+        rows.append(
+            {
+                "prompt tokens": n,
+                "colocated TTFT (ms)": 1e3 * ttft["colocated"][n],
+                "layer-wise TTFT (ms)": 1e3 * ttft["layerwise"][n],
+                "whole TTFT (ms)": 1e3 * ttft["whole"][n],
+                "layer-wise - colocated (ms)": 1e3 * (ttft["layerwise"][n] - ttft["colocated"][n]),
+                "whole - colocated (ms)": 1e3 * (ttft["whole"][n] - ttft["colocated"][n]),
+                "bound: 1 layer transfer + 1 decode step (ms)": 1e3 * bound,
+                "within bound": ttft["layerwise"][n] - ttft["colocated"][n] <= bound,
+            }
+        )
+    table = pd.DataFrame(rows).round(2)
+    md = table.to_markdown(index=False)
+    extra = (
+        f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; batch-1 decode pass: colocated "
+        f"{1e3 * decode_step['colocated']:.2f} ms, disaggregated "
+        f"{1e3 * decode_step['layerwise']:.2f} ms\n"
+    )
+    (args.out / "gpu_ttft.md").write_text(md + "\n" + extra)
+    print(md + "\n" + extra)
+
+
+if __name__ == "__main__":
+    main()
