@@ -14,6 +14,7 @@ a wire (tcp, cuda or verbs):
 from __future__ import annotations
 
 import math
+import os
 import queue
 import time
 import traceback
@@ -149,6 +150,8 @@ class Server:
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
+        if cfg.device == "cpu":  # a server shares the CPU with its peers and the driver
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         self.exp = Experiment.model_validate(cfg.experiment)
         self.spec = self.exp.model.spec
         self.layers = self.spec.layers
