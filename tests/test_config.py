@@ -22,7 +22,8 @@ def test_default_experiment_is_r1_one_prefill_three_decode() -> None:
 def test_shipped_experiments_load(path: Path) -> None:
     exp = load_experiment(path)
     assert exp.name == path.stem
-    assert exp.cluster.total_gpus == 32  # colocated and disaggregated get the same GPUs
+    if not exp.name.startswith("tiny"):  # colocated and disaggregated get the same GPUs
+        assert exp.cluster.total_gpus == 32
 
 
 def test_override_changes_one_value_and_keeps_the_rest() -> None:

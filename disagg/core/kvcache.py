@@ -36,18 +36,20 @@ class PagePool:
         self.name = name
         self.num_pages = num_pages
         self.page_size = page_size
-        # free list as a stack, lowest ids first out: deterministic and cache friendly
-        self._free = list(range(num_pages - 1, -1, -1))
+        # Pages never handed out are ids >= _fresh (a pool may hold millions: no list of them);
+        # returned pages wait on a stack. Lowest ids first out: deterministic, cache friendly.
+        self._fresh = 0
+        self._free: list[int] = []
         self._owned: dict[int, list[int]] = {}
         self._pinned: set[int] = set()
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._fresh
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.free_pages
 
     @property
     def owners(self) -> list[int]:
@@ -61,17 +63,20 @@ class PagePool:
         return self.pages_for(tokens) <= self.num_pages
 
     def can_allocate(self, tokens: int) -> bool:
-        return self.pages_for(tokens) <= len(self._free)
+        return self.pages_for(tokens) <= self.free_pages
 
     def allocate(self, owner: int, tokens: int, *, pinned: bool = False) -> list[int]:
         """Give `owner` the pages for `tokens` more tokens; returns the new page ids."""
         n = self.pages_for(tokens)
-        if n > len(self._free):
+        if n > self.free_pages:
             raise PoolExhausted(
-                f"{self.name}: request {owner} needs {n} pages, {len(self._free)} free "
+                f"{self.name}: request {owner} needs {n} pages, {self.free_pages} free "
                 f"of {self.num_pages}"
             )
-        pages = [self._free.pop() for _ in range(n)]
+        reused = min(n, len(self._free))
+        pages = [self._free.pop() for _ in range(reused)]
+        pages += range(self._fresh, self._fresh + n - reused)
+        self._fresh += n - reused
         self._owned.setdefault(owner, []).extend(pages)
         if pinned:
             self._pinned.add(owner)
@@ -102,10 +107,10 @@ class PagePool:
         """Raise ProtocolError if any page is lost, duplicated or owned twice."""
         owned = [p for pages in self._owned.values() for p in pages]
         every = owned + self._free
-        if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
+        if len(every) != self._fresh or set(every) != set(range(self._fresh)):
             raise ProtocolError(
                 f"{self.name}: page accounting broken: {len(owned)} owned + {len(self._free)} "
-                f"free != {self.num_pages}, or a page is held twice"
+                f"returned != {self._fresh} handed out, or a page is held twice"
             )
 
 
