@@ -234,6 +234,13 @@ def hw_run(
     prefill_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
     decode_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
     pages: Annotated[int, typer.Option(help="KV pages per server")] = 512,
+    external: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A server started elsewhere with `disagg hw serve` (prefill0, decode0): not spawned"
+        ),
+    ] = None,
+    bind: Annotated[str, typer.Option(help="Driver control socket")] = "tcp://127.0.0.1:*",
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
     on local devices, the workload replayed in real time; writes the same tables as sim run."""
@@ -255,6 +262,11 @@ def hw_run(
         transient=True,
     ) as bar:
         task = bar.add_task(f"{exp.name} (hw, {wire})", total=None)
+        if external:
+            console.print(
+                f"waiting for {', '.join(external)}: start them with disagg hw serve "
+                "--driver <this driver's endpoint> (printed below)"
+            )
 
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)

@@ -96,3 +96,87 @@ def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path
     finally:
         driver.stop()
     assert not any(p.is_alive() for p in driver.procs.values())
+
+
+def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
+    """The driver waits for a server it did not spawn (how a multi-host run starts)."""
+    import subprocess
+    import sys
+    import threading
+
+    from disagg.hw.driver import Driver
+
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    driver = Driver(
+        build_experiment(data), HwOptions(wire="tcp", num_pages=128, external=("decode0",))
+    )
+    toml = tmp_path / "e.toml"
+    toml.write_text(
+        'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
+        "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
+        "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "disagg.cli",
+            "hw",
+            "serve",
+            str(toml),
+            "--role",
+            "decode",
+            "--driver",
+            driver.control.endpoint,
+            "--pages",
+            "128",
+        ]
+    )
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    try:
+        driver.start()
+        state = driver.replay()
+    finally:
+        driver.stop()
+        proc.wait(30)
+        watchdog.cancel()
+    assert len(state.finished) == 5
+    assert all(f.status == "finished" for f in state.finished.values())
+    assert proc.returncode == 0
+
+
+def test_profile_measured_here_drives_the_simulator(tmp_path: Path) -> None:
+    """disagg hw profile writes a table; a simulation with cost.source=profile:FILE runs on it."""
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+    from disagg.config import load_experiment
+    from disagg.hw.profile import profile
+    from disagg.models import TINY_GQA
+    from disagg.sim.cluster import Sim
+    from disagg.sim.costmodel import ProfileCost, StepShape
+
+    csv = tmp_path / "tiny.csv"
+    profile(
+        TINY_GQA,
+        2,
+        "cpu",
+        prefill_tokens=(16, 64),
+        prefill_context=(0, 64),
+        decode_batch=(1, 4),
+        decode_context=(32, 128),
+        warmup=1,
+        repeats=3,
+    ).to_csv(csv, index=False)
+    cost = ProfileCost(csv)
+    assert cost.step_time(StepShape(prefill_tokens=64, prefill_attn_pairs=64 * 65 / 2)) > 0
+    exp = load_experiment(
+        Path(__file__).parent.parent / "experiments" / "tiny-disagg.toml",
+        [f"cost.source=profile:{csv}"],
+    )
+    sim = Sim(exp)
+    sim.run()
+    assert all(r.status == "finished" for r in sim.requests.values())
+    res = CliRunner().invoke(app, ["hw", "profile", "--model", "nope"])
+    assert res.exit_code == 2 and "unknown model" in res.output

@@ -103,6 +103,8 @@ class Driver:
 
     # -- starting
     def start(self) -> None:
+        if self.opts.external:
+            print(f"driver control endpoint: {self.control.endpoint}", flush=True)
         ctx = mp.get_context("spawn")
         for cfg in self.configs:
             if cfg.name in self.opts.external:
