@@ -93,7 +93,7 @@ class CudaTransport(Transport):
         self._local: dict[str, torch.Tensor] = {}
         self._remote: dict[str, dict[str, torch.Tensor]] = {}
         self._links: dict[str, Link] = {}
-        self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._server = Server(host, port, {})
         self._lock = threading.Lock()
         self._completions: list[Completion] = []
@@ -168,17 +168,20 @@ class CudaTransport(Transport):
             raise TransportError(f"a write {wa.src!r} -> {wa.dst!r} is out of bounds")
         return src, dst, runs
 
-    def _views(self, t: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor]:
-        """Byte ranges of `t`; ranges of one aligned size come from a cached row split."""
-        size = int(sizes[0])
-        aligned = size % 8 == 0 and t.numel() % size == 0 and t.data_ptr() % 8 == 0
-        if aligned and (sizes == size).all() and not (offsets % size).any():
-            key = (t.data_ptr(), t.numel(), size)
-            if key not in self._rows:
-                self._rows[key] = t.view(torch.int64).view(-1, size // 8).unbind(0)
-            rows = self._rows[key]
-            return [rows[i] for i in (offsets // size).tolist()]
-        return [t[o : o + k] for o, k in zip(offsets.tolist(), sizes.tolist(), strict=True)]
+    def _views(
+        self, t: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, row: int, words: bool
+    ) -> list[torch.Tensor]:
+        """Byte ranges of `t`: uint8 slices, or (`words`) int64 views where single rows of
+        `row` bytes come from a cached split (one list lookup each instead of a new slice)."""
+        spans = zip(offsets.tolist(), sizes.tolist(), strict=True)
+        if not words:
+            return [t[o : o + k] for o, k in spans]
+        key = (t.data_ptr(), t.numel(), row)
+        if key not in self._rows:
+            w = t.view(torch.int64)
+            self._rows[key] = (w, w.view(-1, row // 8).unbind(0))
+        w, rows = self._rows[key]
+        return [rows[o // row] if k == row else w[o // 8 : (o + k) // 8] for o, k in spans]
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
         """Issue one group's copies on the current (wire) stream: one copy, or one batched copy."""
@@ -186,7 +189,17 @@ class CudaTransport(Transport):
         if len(n) == 1:
             dst[d[0] : d[0] + n[0]].copy_(src[s[0] : s[0] + n[0]], non_blocking=True)
         elif len(n):
-            torch._foreach_copy_(self._views(dst, d, n), self._views(src, s, n), non_blocking=True)
+            row = int(n.min())
+            words = (
+                row % 8 == 0
+                and not (n % row).any()
+                and all(
+                    t.numel() % row == 0 and t.data_ptr() % 8 == 0 and not (o % row).any()
+                    for t, o in ((src, s), (dst, d))
+                )
+            )
+            dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
         self._check_open()

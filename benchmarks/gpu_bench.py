@@ -1,0 +1,508 @@
+"""GPU benchmark of the hw backend: correctness first, then measured ceilings and the figures.
+
+    python benchmarks/gpu_bench.py --prefill-device 0 --decode-device 0 --out DIR
+
+Sections (each recorded, even if another fails): FlashInfer vs the float32 reference; bf16 GEMM
+ceiling (8192^3) and device copy bandwidth, measured in this run; prefill of 8192 tokens through
+Llama-3.1-8B at full depth (FLOP/s vs the GEMM ceiling, target >= 70%); a CUDA-graph decode
+step at batch 128 x 4096 context (weights + KV bytes/s vs copy bandwidth, target >= 75%); the
+cuda wire moving one request's KV pages between two processes (GB/s vs a plain device copy of
+the same bytes, target >= 90%). Writes bench.json and bench.md into --out.
+`--compile KIND` only builds FlashInfer's kernels for KIND (prefill, decode, mla) and exits;
+`--smoke` runs the same code on the CPU with toy sizes (no FlashInfer, no cuda wire).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg.core.kvcache import pages_for
+from disagg.hw.attention import AttnShape, TorchAttention, make_attention
+from disagg.hw.batch import BatchMeta, Seq
+from disagg.hw.device import resolve_device, time_it
+from disagg.hw.model import Transformer
+from disagg.hw.runner import Runner
+from disagg.hw.specs import tiny_gqa
+from disagg.models import LLAMA_31_8B, ModelSpec
+
+GPU_SHAPES = {
+    "GQA-HND": AttnShape(8, 2, 128, 16, 128**-0.5, layout="HND"),
+    "GQA-NHD": AttnShape(8, 2, 128, 16, 128**-0.5, layout="NHD"),
+    "MLA": AttnShape(16, 1, 512, 16, 192**-0.5, mla=True, rope_dim=64),
+}
+LENS = {  # (cached, new) tokens per sequence
+    "prefill": [(0, 37), (50, 20), (129, 1), (16, 64), (0, 1000)],
+    "decode": [(0, 1), (17, 1), (300, 1), (63, 1), (4000, 1)],
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    spec: ModelSpec
+    gemm: int
+    copy_bytes: int
+    prefill_tokens: int
+    decode_batch: int
+    decode_context: int
+    transfer_tokens: tuple[int, ...]
+    page_size: int = 16
+
+
+FULL = Sizes(LLAMA_31_8B, 8192, 2 << 30, 8192, 128, 4096, (4096, 32768))
+SMOKE = Sizes(tiny_gqa(layers=4), 256, 1 << 22, 64, 4, 32, ())
+
+
+# ---- correctness ---------------------------------------------------------------------------
+Problem = tuple[list[Seq], torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _problem(
+    shape: AttnShape, lens: list[tuple[int, int]], dev: torch.device, seed: int
+) -> Problem:
+    """Sequences on shuffled pages, random bf16 pages (garbage past each sequence), q, q_pe."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [pages_for(c + n, shape.page_size) for c, n in lens]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    seqs, at = [], 0
+    for (c, n), k in zip(lens, need, strict=True):
+        seqs.append(Seq.of([1] * n, c, perm[at : at + k]))
+        at += k
+    if shape.mla:
+        dims: tuple[int, ...] = (shape.page_size, shape.head_dim + shape.rope_dim)
+    elif shape.layout == "HND":
+        dims = (2, shape.kv_heads, shape.page_size, shape.head_dim)
+    else:
+        dims = (2, shape.page_size, shape.kv_heads, shape.head_dim)
+    t = sum(n for _, n in lens)
+
+    def bf(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dev, torch.bfloat16)
+
+    cache = bf(torch.randn((len(perm), *dims), generator=gen))
+    q = bf(torch.randn(t, shape.heads, shape.head_dim, generator=gen))
+    q_pe = bf(torch.randn(t, shape.heads, shape.rope_dim, generator=gen)) if shape.mla else None
+    return seqs, cache, q, q_pe
+
+
+def check(kind: str, mode: str, dev: torch.device, seed: int = 0) -> dict[str, Any]:
+    """Max |FlashInfer - reference| on one random paged problem (bf16 inputs)."""
+    shape = GPU_SHAPES[kind]
+    seqs, cache, q, q_pe = _problem(shape, LENS[mode], dev, seed)
+    meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
+    fi, ref = make_attention("flashinfer", shape, dev), TorchAttention(shape)
+    fi.plan(meta)
+    ref.plan(meta)
+    got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    ok = math.isfinite(err) and err <= 2e-2 * max(1.0, scale)
+    return {"kernel": kind, "mode": mode, "max_abs_err": err, "out_max": scale, "ok": ok}
+
+
+def correctness(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
+    """FlashInfer against the reference for prefill and decode, HND, NHD and MLA."""
+    rows = [
+        check(k, m, dev, i) for i, (k, m) in enumerate((k, m) for k in GPU_SHAPES for m in LENS)
+    ]
+    return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def compile_kernels(kinds: list[str], dev: torch.device) -> int:
+    """Build (JIT) the FlashInfer kernels of `kinds` by running each once."""
+    t0 = time.perf_counter()
+    table = {
+        "prefill": [("GQA-HND", "prefill")],
+        "decode": [("GQA-HND", "decode")],
+        "mla": [("MLA", "prefill"), ("MLA", "decode")],
+    }
+    for k, m in [case for kind in kinds for case in table[kind]]:
+        print(json.dumps(check(k, m, dev) | {"compile_s": time.perf_counter() - t0}), flush=True)
+    return 0
+
+
+# ---- ceilings ------------------------------------------------------------------------------
+def gemm_ceiling(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
+    n = sizes.gemm
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=dev).to(dtype) for _ in range(2))
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    t = statistics.median(time_it(lambda: torch.mm(a, b, out=c), dev, warmup=5, repeats=20))
+    return {"n": n, "median_s": t, "tflops": 2 * n**3 / t / 1e12}
+
+
+def copy_bandwidth(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
+    src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = statistics.median(time_it(lambda: dst.copy_(src), dev, warmup=3, repeats=20))
+    return {
+        "bytes": sizes.copy_bytes,
+        "median_s": t,
+        "gbps_read_write": 2 * sizes.copy_bytes / t / 1e9,
+    }
+
+
+# ---- prefill -------------------------------------------------------------------------------
+def prefill_flops(spec: ModelSpec, tokens: int) -> int:
+    """FLOPs of one causal prefill of `tokens` tokens with logits for the last token only:
+    every linear layer per token, the LM head once, attention of token i over i + 1 keys."""
+    head = 2 * spec.vocab * spec.hidden
+    linear = (spec.linear_flops_per_token - head) * tokens + head
+    attn = spec.layers * sum(spec.attn_flops(i + 1) for i in range(tokens))
+    return linear + attn
+
+
+def linear_floor(dev: torch.device, spec: ModelSpec, tokens: int) -> float:
+    """Seconds of the layer GEMMs alone at M = tokens, summed over all layers."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    qkv = (spec.heads + 2 * spec.kv_heads) * spec.head_dim
+    shapes = [
+        (qkv, spec.hidden),
+        (spec.hidden, spec.heads * spec.head_dim),
+        (2 * spec.intermediate, spec.hidden),
+        (spec.hidden, spec.intermediate),
+    ]
+    total = 0.0
+    for n, k in shapes:
+        x, w = torch.randn(tokens, k, device=dev).to(dtype), torch.randn(n, k, device=dev).to(dtype)
+        total += statistics.median(
+            time_it(partial(torch.nn.functional.linear, x, w), dev, warmup=3, repeats=10)
+        )
+    return total * spec.layers
+
+
+def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
+    spec, n = sizes.spec, sizes.prefill_tokens
+    t0 = time.perf_counter()
+    model = state["model"] = Transformer(spec, seed=0, device=dev)
+    build_s = time.perf_counter() - t0
+    cache = model.new_cache(pages_for(n, sizes.page_size), sizes.page_size)
+    runner = Runner(model, cache)
+    tokens = torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(0))
+    seq = Seq.of(tokens.tolist(), 0, range(cache.num_pages))
+    t = statistics.median(time_it(partial(runner.step, [seq]), dev, warmup=2, repeats=5))
+    flops = prefill_flops(spec, n)
+    gemm_s = linear_floor(dev, spec, n)
+    ceiling = state.get("gemm", {}).get("tflops", float("nan"))
+    tflops = flops / t / 1e12
+    return {
+        "model": spec.name,
+        "layers": spec.layers,
+        "tokens": n,
+        "median_s": t,
+        "flops": flops,
+        "tflops": tflops,
+        "gemm_ceiling_tflops": ceiling,
+        "fraction_of_ceiling": tflops / ceiling,
+        "target": 0.70,
+        "layer_gemms_alone_s": gemm_s,
+        "weights_build_s": build_s,
+    }
+
+
+# ---- decode --------------------------------------------------------------------------------
+def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
+    spec, b, ctx, ps = sizes.spec, sizes.decode_batch, sizes.decode_context, sizes.page_size
+    model = state.get("model")
+    if model is None or model.device != dev:
+        model = state["model"] = Transformer(spec, seed=0, device=dev)
+    per = pages_for(ctx + 1, ps)
+    cache = model.new_cache(b * per, ps)
+    for layer in cache.layers:
+        layer.uniform_(-1, 1)
+    runner = Runner(model, cache, graph_batches=(b,))
+    runner.capture()
+    seqs = [Seq((i % spec.vocab,), ctx, tuple(range(i * per, (i + 1) * per))) for i in range(b)]
+    t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
+    short = [Seq(s.tokens, 0, s.pages) for s in seqs]
+    t_weights = statistics.median(time_it(partial(runner.step, short), dev, warmup=2, repeats=10))
+    eager = Runner(model, cache, graph_batches=())
+    t_eager = statistics.median(time_it(partial(eager.step, seqs), dev, warmup=2, repeats=5))
+    elem = 2 if dev.type == "cuda" else 4
+    weights = model.weight_bytes() - spec.vocab * spec.hidden * elem + b * spec.hidden * elem
+    kv = b * (ctx + 1) * spec.kv_bytes_per_token("bf16" if elem == 2 else "fp32")
+    copy_bw = state.get("copy", {}).get("gbps_read_write", float("nan"))
+    gbps = (weights + kv) / t / 1e9
+    graph, graph_error = bool(runner._graphs), runner.graph_error
+    del cache, runner, eager
+    return {
+        "batch": b,
+        "context": ctx,
+        "median_s": t,
+        "graph": graph,
+        "graph_error": graph_error,
+        "weight_bytes": weights,
+        "kv_bytes": kv,
+        "gbps": gbps,
+        "copy_gbps": copy_bw,
+        "fraction_of_copy": gbps / copy_bw,
+        "target": 0.75,
+        "weights_only_step_s": t_weights,
+        "kv_gbps_beyond_weights": kv / max(t - t_weights, 1e-9) / 1e9,
+        "eager_step_s": t_eager,
+    }
+
+
+# ---- the cuda wire -------------------------------------------------------------------------
+def _await(wire: Any, wr_id: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in wire.poll().completions:
+            if c.wr_id == wr_id:
+                if not c.ok:
+                    raise RuntimeError(c.error)
+                return
+        time.sleep(1e-5)  # lets the wire's threads take the GIL
+    raise TimeoutError(f"batch {wr_id} did not complete in {timeout_s} s")
+
+
+def _layouts(pages: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Source and destination page ids: one contiguous run each, or scattered in a 2x pool."""
+    return {
+        "contiguous": (np.arange(pages), np.arange(pages) + pages // 2),
+        "scattered": (rng.permutation(2 * pages)[:pages], rng.permutation(2 * pages)[:pages]),
+    }
+
+
+def _transfer_one(
+    dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int
+) -> dict[str, Any]:
+    from disagg.hw.transport.base import Unit, WriteArray
+    from disagg.hw.transport.cuda import CudaTransport
+    from disagg.hw.transport.peer import ReceiverProcess
+
+    pool, nbytes = 2 * pages, pages * pb * layers
+    recv = ReceiverProcess("cuda", [pool * pb] * layers, str(dev_d), "decode")
+    wire = CudaTransport(endpoint="prefill")
+    try:
+        src = [
+            torch.randint(0, 256, (pool * pb,), dtype=torch.uint8, device=dev_p)
+            for _ in range(layers)
+        ]
+        for i, t in enumerate(src):
+            wire.register(f"s{i}", t)
+        wire.connect("decode", recv.info, recv.descs)
+        a = torch.empty(nbytes, dtype=torch.uint8, device=dev_p)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=dev_d)
+        copy_s = statistics.median(time_it(partial(b.copy_, a), dev_p, warmup=3, repeats=10))
+        del a, b
+        out: dict[str, Any] = {
+            "tokens": pages * 16,
+            "bytes": nbytes,
+            "copy_gbps": nbytes / copy_s / 1e9,
+        }
+        torch.cuda.synchronize(dev_p)
+        wr, posts = 0, 0
+        for name, (sp, dp) in _layouts(pages, np.random.default_rng(0)).items():
+            sizes = np.full(pages, pb, dtype=np.int64)
+            units = [
+                Unit(WriteArray(f"s{i}", f"r{i}", sp * pb, dp * pb, sizes), imm=i)
+                for i in range(layers)
+            ]
+            dev_s: list[float] = []
+            e2e_s: list[float] = []
+            for rep in range(8):
+                wr += 1
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                held = rep % 2 == 0  # even reps: stream held while Python posts -> copy time only
+                if held:
+                    with torch.cuda.stream(wire.stream):
+                        torch.cuda._sleep(100_000_000)
+                start.record(wire.stream)
+                t0 = time.perf_counter()
+                wire.post("decode", units, wr)
+                end.record(wire.stream)
+                _await(wire, wr)
+                t1 = time.perf_counter()
+                (dev_s if held else e2e_s).append(
+                    start.elapsed_time(end) / 1e3 if held else t1 - t0
+                )
+                posts += 1
+            dev_gbps = nbytes / statistics.median(dev_s[1:]) / 1e9
+            e2e_gbps = nbytes / statistics.median(e2e_s[1:]) / 1e9
+            out[name] = {
+                "device_gbps": dev_gbps,
+                "end_to_end_gbps": e2e_gbps,
+                "device_fraction_of_copy": dev_gbps / out["copy_gbps"],
+                "end_to_end_fraction_of_copy": e2e_gbps / out["copy_gbps"],
+            }
+            if pool * pb <= 64 << 20:  # check the bytes of the last layer landed where asked
+                got = np.frombuffer(recv.ask("read", layers - 1), dtype=np.uint8).reshape(pool, pb)
+                want = src[-1].view(pool, pb).cpu().numpy()
+                out[name]["bytes_ok"] = bool((got[dp] == want[sp]).all())
+        imms, _ = recv.ask("wait", posts * layers, False, 20)
+        out["immediates_ok"] = len(imms) == posts * layers
+        return out
+    finally:
+        wire.close()
+        recv.close()
+
+
+def transfer(
+    dev_p: torch.device, dev_d: torch.device, sizes: Sizes, state: dict[str, Any]
+) -> dict[str, Any]:
+    """One request's KV pages (all layers) prefill -> decode over the cuda wire, two processes."""
+    state.pop("model", None)
+    torch.cuda.empty_cache()
+    spec, ps = sizes.spec, sizes.page_size
+    pb = spec.kv_bytes_per_token_per_layer() * ps
+    runs = [_transfer_one(dev_p, dev_d, spec.layers, pb, n // ps) for n in sizes.transfer_tokens]
+    return {"page_bytes": pb, "layers": spec.layers, "runs": runs, "target": 0.90}
+
+
+# ---- report --------------------------------------------------------------------------------
+def _row(name: str, measured: str, reference: str, fraction: float, target: float) -> str:
+    met = "yes" if fraction >= target else "no"
+    return f"| {name} | {measured} | {reference} | {fraction:.0%} | {target:.0%} | {met} |"
+
+
+def headline(r: dict[str, Any]) -> list[str]:
+    s = r["sections"]
+    rows = [
+        "| figure | measured | reference (same run) | ratio | target | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    p, d, t = s.get("prefill", {}), s.get("decode", {}), s.get("transfer", {})
+    if "tflops" in p:
+        rows.append(
+            _row(
+                f"prefill {p['tokens']} tok, {p['model']} x{p['layers']}",
+                f"{p['tflops']:.0f} TFLOP/s ({p['median_s'] * 1e3:.1f} ms)",
+                f"bf16 GEMM {p['gemm_ceiling_tflops']:.0f} TFLOP/s",
+                p["fraction_of_ceiling"],
+                p["target"],
+            )
+        )
+    if "gbps" in d:
+        rows.append(
+            _row(
+                f"decode {d['batch']} x {d['context']} (graph={d['graph']})",
+                f"{d['gbps']:.0f} GB/s ({d['median_s'] * 1e3:.2f} ms)",
+                f"device copy {d['copy_gbps']:.0f} GB/s",
+                d["fraction_of_copy"],
+                d["target"],
+            )
+        )
+    for run in t.get("runs", []):
+        for lay in ("contiguous", "scattered"):
+            for kind in ("device", "end_to_end"):
+                g = run[lay][f"{kind}_gbps"]
+                rows.append(
+                    _row(
+                        f"cuda wire {run['tokens']} tok, {lay}, {kind.replace('_', '-')}",
+                        f"{g:.0f} GB/s",
+                        f"plain copy {run['copy_gbps']:.0f} GB/s",
+                        run[lay][f"{kind}_fraction_of_copy"],
+                        t["target"],
+                    )
+                )
+    return rows
+
+
+def write_report(r: dict[str, Any], out: Path) -> None:
+    (out / "bench.json").write_text(json.dumps(r, indent=2, default=str))
+    lines = [
+        f"# gpu_bench {r['date']}",
+        "",
+        f"- device: {r['device']}",
+        f"- command: `{r['command']}`",
+        f"- torch {r['torch']}, flashinfer {r['flashinfer']}",
+        "",
+        *headline(r),
+        "",
+    ]
+    c = r["sections"].get("correctness", {})
+    if "rows" in c:
+        lines += [
+            "| kernel | mode | max abs err | output max | ok |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {x['kernel']} | {x['mode']} | {x['max_abs_err']:.2e} | {x['out_max']:.2f} "
+            f"| {x['ok']} |"
+            for x in c["rows"]
+        ]
+    for name, sec in r["sections"].items():
+        if "error" in sec:
+            lines += ["", f"**{name} failed**: `{sec['error']}`"]
+    (out / "bench.md").write_text("\n".join(lines) + "\n")
+
+
+def _flashinfer_version() -> str | None:
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return str(flashinfer.__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefill-device", type=int, default=0)
+    ap.add_argument("--decode-device", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--compile", nargs="+", choices=["prefill", "decode", "mla"])
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes")
+    ap.add_argument("--only", nargs="*", help="run only these sections")
+    args = ap.parse_args(argv)
+    if args.compile:
+        return compile_kernels(args.compile, resolve_device(f"cuda:{args.prefill_device}"))
+    sizes = SMOKE if args.smoke else FULL
+    dev_p = resolve_device("cpu" if args.smoke else f"cuda:{args.prefill_device}")
+    dev_d = resolve_device("cpu" if args.smoke else f"cuda:{args.decode_device}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(dev_p) if dev_p.type == "cuda" else "cpu"
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": name,
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "flashinfer": _flashinfer_version(),
+        "sections": {},
+    }
+    sections: dict[str, Callable[[], dict[str, Any]]] = {
+        "correctness": lambda: correctness(dev_p, sizes),
+        "gemm": lambda: gemm_ceiling(dev_p, sizes),
+        "copy": lambda: copy_bandwidth(dev_p, sizes),
+        "prefill": lambda: prefill(dev_p, sizes, state),
+        "decode": lambda: decode(dev_d, sizes, state),
+        "transfer": lambda: transfer(dev_p, dev_d, sizes, state),
+    }
+    if args.smoke:
+        del sections["correctness"], sections["transfer"]
+    state: dict[str, Any] = {}
+    for sec, fn in sections.items():
+        if args.only and sec not in args.only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # recorded; the other sections still run
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        result["wall_s"] = time.perf_counter() - t0
+        report["sections"][sec] = state[sec] = result
+        print(
+            json.dumps({sec: {k: v for k, v in result.items() if k != "traceback"}}, default=str),
+            flush=True,
+        )
+        write_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
