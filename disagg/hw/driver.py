@@ -129,6 +129,7 @@ class Driver:
             if time.monotonic() > deadline:
                 missing = sorted(names - set(got))
                 raise TransportError(f"servers {missing} did not {what} within {timeout_s:g} s")
+            self.control.heartbeat()
             msg = self.control.recv(0.5)
             if msg is not None and isinstance(msg[1], kind):
                 got[msg[0]] = msg[1]
@@ -168,6 +169,7 @@ class Driver:
                 )
                 self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
             self._receive(0.001 if pending else 0.05)
+            self.control.heartbeat()  # servers stop when the driver falls silent
             if progress:
                 progress(len(state.finished), len(arrivals))
             if now > last_arrival + self.opts.drain_timeout_s:

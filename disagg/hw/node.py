@@ -87,6 +87,7 @@ class Finished:
     tokens: tuple[int, ...]
     times: dict[str, float]  # prefill_start_s, prefill_end_s, ready_s, first_token_s, finish_s
     logits: tuple[float, ...] = ()  # last step's logits (when the driver asks for them)
+    first_logits: tuple[float, ...] = ()  # logits that chose the first token (likewise)
     metadata_sum: float = math.nan  # sum of the hidden state handed over (or computed) for MTP
     prefill_node: int = 0
     decode_node: int = 0
@@ -448,8 +449,31 @@ class PrefillServer(Server):
             self.watcher.stop()
 
 
+class GeneratingServer(Server):
+    """A server that emits tokens (decode or colocated) and reports finished requests."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        self.outputs: dict[int, list[int]] = {}
+        self.meta_sums: dict[int, float] = {}
+        self.first_logits: dict[int, torch.Tensor] = {}
+
+    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
+        if req.status is Status.FINISHED:
+            req.finish_s = self.now()
+        msg = _finished(
+            req,
+            self.outputs.pop(req.id, []),
+            logits,
+            self.first_logits.pop(req.id, None),
+            self.cfg.return_logits,
+            self.meta_sums.pop(req.id, math.nan),
+        )
+        self.control.send("driver", msg)
+
+
 # ---- decode ------------------------------------------------------------------------------
-class DecodeServer(Server):
+class DecodeServer(GeneratingServer):
     role = "decode"
 
     def __init__(self, cfg: NodeConfig) -> None:
@@ -461,9 +485,7 @@ class DecodeServer(Server):
         )
         self.scheduler = DecodeScheduler(group.max_batch)
         self.requests: dict[int, Request] = {}
-        self.outputs: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
-        self.meta_sums: dict[int, float] = {}
 
     def idle_wait_s(self) -> float:
         # immediates do not wake the loop: poll the wire often while transfers are in flight
@@ -525,9 +547,10 @@ class DecodeServer(Server):
         assert res.tokens is not None
         for r, tok in zip(batch.decodes, res.tokens, strict=True):
             self.outputs[r.id].append(tok)
-        for r in batch.decodes:
+        for i, r in enumerate(batch.decodes):
             if r.generated == 0:
                 r.first_token_s = self.now()
+                self.first_logits[r.id] = res.logits[i]
         done = self.scheduler.complete(batch).finished
         self.record("decode", start, batch, len(batch.decodes))
         for i, r in enumerate(batch.decodes):
@@ -536,31 +559,15 @@ class DecodeServer(Server):
                 self.execute(self.messenger.release(r.id, self.now()))
         return True
 
-    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
-        if req.status is Status.FINISHED:
-            req.finish_s = self.now()
-        self.control.send(
-            "driver",
-            _finished(
-                req,
-                self.outputs.get(req.id, []),
-                logits,
-                self.cfg.return_logits,
-                self.meta_sums.pop(req.id, math.nan),
-            ),
-        )
-
 
 # ---- colocated ---------------------------------------------------------------------------
-class ColocatedServer(Server):
+class ColocatedServer(GeneratingServer):
     role = "colocated"
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         g = self.exp.cluster.colocated
         self.scheduler = ColocatedScheduler(self.pool, g.token_budget, g.max_batch)
-        self.outputs: dict[int, list[int]] = {}
-        self.meta_sums: dict[int, float] = {}
 
     def announce(self) -> None:  # no wire: nothing crosses a network
         self.control.send("driver", NodeUp(self.cfg.name, self.control.endpoint, {}, ()))
@@ -601,6 +608,7 @@ class ColocatedServer(Server):
         for i, c in enumerate(batch.chunks):
             if c.last:
                 self.outputs[c.req.id].append(res.tokens[i])
+                self.first_logits[c.req.id] = res.logits[i]
                 if c.tokens > 1:
                     self.meta_sums[c.req.id] = float(res.hidden[i].float().sum())
         for r, tok in zip(batch.decodes, res.tokens[len(batch.chunks) :], strict=True):
@@ -613,38 +621,33 @@ class ColocatedServer(Server):
             self.finish(r, res.logits[rows.index(r)])
         return True
 
-    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
-        if req.status is Status.FINISHED:
-            req.finish_s = self.now()
-        self.control.send(
-            "driver",
-            _finished(
-                req,
-                self.outputs.get(req.id, []),
-                logits,
-                self.cfg.return_logits,
-                self.meta_sums.pop(req.id, math.nan),
-            ),
-        )
-
 
 def _finished(
-    req: Request, tokens: list[int], logits: torch.Tensor | None, with_logits: bool, meta_sum: float
+    req: Request,
+    tokens: list[int],
+    logits: torch.Tensor | None,
+    first: torch.Tensor | None,
+    with_logits: bool,
+    meta_sum: float,
 ) -> Finished:
     times = {
         k: getattr(req, k)
         for k in ("prefill_start_s", "prefill_end_s", "ready_s", "first_token_s", "finish_s")
     }
-    values: tuple[float, ...] = ()
-    if with_logits and logits is not None:
-        values = tuple(np.asarray(logits.float().cpu()).tolist())
+
+    def values(t: torch.Tensor | None) -> tuple[float, ...]:
+        if not with_logits or t is None:
+            return ()
+        return tuple(np.asarray(t.float().cpu()).tolist())
+
     return Finished(
         req.id,
         str(req.status),
         req.fail_reason,
         tuple(tokens),
         times,
-        values,
+        values(logits),
+        values(first),
         meta_sum,
         req.prefill_node,
         req.decode_node,
