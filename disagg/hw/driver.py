@@ -140,7 +140,9 @@ class Driver:
     def check_children(self) -> None:
         for name, proc in self.procs.items():
             if not proc.is_alive():
-                raise TransportError(f"server {name} died (exit code {proc.exitcode})")
+                records = self.run_state.records.get(name)
+                why = f": {records.error}" if records and records.error else ""
+                raise TransportError(f"server {name} died (exit code {proc.exitcode}){why}")
 
     # -- replaying
     def replay(self, progress: Callable[[int, int], None] | None = None) -> HwRun:
@@ -180,7 +182,6 @@ class Driver:
         return state
 
     def _receive(self, timeout_s: float) -> None:
-        self.check_children()
         msg = self.control.recv(timeout_s)
         while msg is not None:
             body = msg[1]
@@ -191,6 +192,7 @@ class Driver:
                 if body.error:
                     raise TransportError(body.error)
             msg = self.control.recv(0.0)
+        self.check_children()
 
     # -- stopping
     def stop(self) -> None:

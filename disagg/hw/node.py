@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -180,6 +181,7 @@ class Server:
             error = f"{self.cfg.name}: {e}"
         except Exception:  # report, then die: the driver names the node and the error
             error = f"{self.cfg.name} crashed:\n{traceback.format_exc()}"
+            print(error, file=sys.stderr, flush=True)
         self.control.send(
             "driver",
             Records(
@@ -261,6 +263,7 @@ class Server:
 
     def on_dead(self, peer: str) -> None:
         if peer == "driver":
+            print(f"{self.cfg.name}: the driver fell silent; stopping", file=sys.stderr)
             self.running = False
 
     def step(self) -> bool:
