@@ -1,8 +1,10 @@
 """The verbs wire, host side: what needs no RDMA device, and the soft-RoCE VM tier.
 
 The VM tier (marked `rdma`) builds or reuses the image of tools/rdma-vm/, boots it once under
-qemu TCG and runs tests/rdma inside, where rxe0 is a real verbs device. It skips, with the reason,
-where qemu or the image cannot be had, or when DISAGG_SKIP_RDMA_VM=1.
+qemu TCG and runs tests/rdma inside, where rxe0 is a real verbs device: the wire's own tests and
+a disaggregated prefill/decode run over it (two server processes on rxe0), checked against a
+colocated run. Inside, Python imports from this repo's .venv (Debian's python3 has the same ABI).
+It skips, with the reason, where qemu or the image cannot be had, or when DISAGG_SKIP_RDMA_VM=1.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from disagg.hw.transport.verbs import (
 REPO = Path(__file__).resolve().parents[1]
 VM = REPO / "tools" / "rdma-vm"
 DEBIAN_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
-VM_TESTS = 16  # tests in tests/rdma, all of which must pass inside the VM
+# tests in tests/rdma, all of which must pass inside the VM: 16 of the wire itself
+# (test_verbs_rxe.py) and 2 disaggregated runs over it (test_disagg_verbs.py)
+VM_TESTS = 18
 
 
 def test_import_needs_no_pyverbs_and_use_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

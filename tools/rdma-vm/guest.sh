@@ -10,8 +10,10 @@ rdma link add rxe0 type rxe netdev veth0 || echo "[guest] rdma link add failed"
 rdma link >/out/rdma-link.txt 2>&1
 echo "[guest] rxe0 ready at uptime $(cut -d' ' -f1 /proc/uptime)s"
 cd /host
-# Debian's packages first; the host venv (same Python ABI) after them, for what Debian lacks
-export PYTHONPATH=/host:/usr/lib/python3/dist-packages:/host/.venv/lib/python3.11/site-packages
+# The repo's venv (same Python ABI as Debian's python3) first, so that the tests import the
+# versions the host tests use (its pandas needs a newer numpy than Debian's); Debian's own
+# dist-packages, which python3 adds after PYTHONPATH, supply pyverbs (python3-pyverbs).
+export PYTHONPATH=/host:$(echo /host/.venv/lib/python3*/site-packages | tr ' ' :)
 export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 START=$(cut -d' ' -f1 /proc/uptime)
 sh /out/cmd >/out/output.log 2>&1
