@@ -33,6 +33,7 @@ from disagg.hw.driver import HwOptions, run_hw
 from disagg.models import get_model
 
 REPEATS = 3
+LAYERS = int(__import__("os").environ.get("DISAGG_LAYERS", "0"))  # dry runs: cut the depth
 PAGE = 16
 
 
@@ -55,7 +56,7 @@ def experiment(model: str, mode: str, policy: str, trace_path: Path, budget: int
     return {
         "name": f"{model}-{mode}-{policy}",
         "seed": 0,
-        "model": {"name": model, "weight_dtype": "bf16"},
+        "model": {"name": model, "weight_dtype": "bf16", **({"layers": LAYERS} if LAYERS else {})},
         "cluster": {"mode": mode, "colocated": group, "prefill": group, "decode": group},
         "kv": {"page_size": PAGE, "layout": "HND"},
         "transfer": {"policy": policy},
