@@ -32,7 +32,7 @@ from disagg.config import build_experiment
 from disagg.hw.driver import HwOptions, run_hw
 from disagg.models import get_model
 
-REPEATS = 3
+REPEATS = int(__import__("os").environ.get("DISAGG_REPEATS", "3"))
 LAYERS = int(__import__("os").environ.get("DISAGG_LAYERS", "0"))  # dry runs: cut the depth
 PAGE = 16
 

@@ -108,8 +108,8 @@ class Control:
             msg = decode(raw)
             if not isinstance(msg, Heartbeat):
                 return sender, msg
-            if time.monotonic() >= deadline:
-                return None
+            # a heartbeat: keep draining, so that after a long forward pass every sender's
+            # queued heartbeats count (liveness is "heard from since"), not just the oldest
 
     def heartbeat(self, every_s: float = 0.5) -> None:
         """Send a heartbeat to every peer, at most every `every_s`."""
