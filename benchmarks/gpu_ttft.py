@@ -34,7 +34,7 @@ from disagg.models import get_model
 
 REPEATS = int(__import__("os").environ.get("DISAGG_REPEATS", "3"))
 LAYERS = int(__import__("os").environ.get("DISAGG_LAYERS", "0"))  # dry runs: cut the depth
-PAGE = 16
+PAGE = int(__import__("os").environ.get("DISAGG_PAGE", "16"))
 
 
 def trace(path: Path, prompts: list[int], spacing_s: float) -> Path:

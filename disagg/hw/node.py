@@ -37,9 +37,24 @@ from disagg.hw.control import Control, register
 from disagg.hw.model import Transformer
 from disagg.hw.runner import LayerWatcher, Runner
 from disagg.hw.transport import make_transport
-from disagg.hw.transport.base import Descriptor, Transport, Unit, Write
+from disagg.hw.transport.base import Descriptor, Transport, Unit, Write, WriteArray
 
 META_SLOTS = 4096  # rows of the decode side's metadata buffer (one per in-flight request)
+SLOT_BITS = 16  # an immediate is (count << 16) | slot: which request, and how many write units
+
+
+def pack_imm(slot: int, count: int) -> int:
+    """The 32-bit immediate of a post that completes `count` counted units of request `slot`
+    (units of one post ride one queue pair in order, so the last write's immediate vouches
+    for all of them)."""
+    if not 0 <= slot < 1 << SLOT_BITS or not 0 < count < 1 << (32 - SLOT_BITS):
+        raise DisaggError(f"immediate out of range: slot {slot}, count {count}")
+    return count << SLOT_BITS | slot
+
+
+def unpack_imm(imm: int) -> tuple[int, int]:
+    """(slot, count) of an immediate made by `pack_imm`."""
+    return imm & ((1 << SLOT_BITS) - 1), imm >> SLOT_BITS
 
 
 # ---- the node protocol (driver <-> servers) ---------------------------------------------------
@@ -356,28 +371,28 @@ class PrefillServer(Server):
                 self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
 
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
-        units = []
-        pairs = list(zip(cmd.src_pages, cmd.dst_pages, strict=True))
-        for layer in cmd.layers:
-            region = f"kv{layer}"
-            writes = self.plan.writes(pairs)
-            per_page = len(writes) // len(pairs)
-            for i, imm in enumerate(cmd.imm):
-                page = writes[i * per_page : (i + 1) * per_page]
-                units.append(
-                    Unit(
-                        [Write(region, w.src_offset, region, w.dst_offset, w.nbytes) for w in page],
-                        cmd.slot if imm else None,
-                    )
-                )
-        return units
+        """One unit per layer: every page's writes as arrays, then one immediate that counts
+        the post's complete pages (pages cut by the chunk are written but not counted; the
+        chunk that completes them writes them again and counts them)."""
+        segs = self.plan.segments
+        src = np.asarray(cmd.src_pages, dtype=np.int64)[:, None]
+        dst = np.asarray(cmd.dst_pages, dtype=np.int64)[:, None]
+        src_off = (src * self.plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
+        dst_off = (dst * self.plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
+        nbytes = np.tile([g.nbytes for g in segs], len(cmd.src_pages))
+        count = cmd.imm_pages * sum(self.plan.imms_per_page_layer_by_dst_rank().values())
+        imm = pack_imm(cmd.slot, count) if count else None
+        return [
+            Unit(WriteArray(f"kv{layer}", f"kv{layer}", src_off, dst_off, nbytes), imm)
+            for layer in cmd.layers
+        ]
 
     def meta_unit(self, cmd: m.PostMetadata) -> Unit:
         if cmd.slot >= META_SLOTS:
             raise DisaggError(f"metadata slot {cmd.slot} >= {META_SLOTS} rows")
         row = self.meta.shape[1] * 4
         off = cmd.slot * row
-        return Unit([Write("meta", off, "meta", off, row)], cmd.slot)
+        return Unit([Write("meta", off, "meta", off, row)], pack_imm(cmd.slot, 1))
 
     def post(self, req_id: int, peer: str, units: list[Unit]) -> None:
         assert self.wire is not None
@@ -532,7 +547,7 @@ class DecodeServer(GeneratingServer):
     def tick(self) -> None:
         assert self.wire is not None
         for imm in self.wire.poll().immediates:
-            self.execute(self.messenger.on_immediates(imm))
+            self.execute(self.messenger.on_immediates(*unpack_imm(imm)))
         self.execute(self.messenger.check_timeouts(self.now()))
         super().tick()
 
