@@ -77,6 +77,7 @@ def node_configs(exp: Experiment, opts: HwOptions, driver: str) -> list[NodeConf
             opts.wire,
             opts.num_pages,
             driver,
+            bind=opts.bind.rsplit(":", 1)[0] + ":*",  # the driver's host, any port
             attention=opts.attention,
             return_logits=opts.return_logits,
         )
