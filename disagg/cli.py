@@ -237,7 +237,7 @@ def hw_run(
     external: Annotated[
         list[str] | None,
         typer.Option(
-            help="A server started elsewhere with `disagg hw serve` (prefill0, decode0): not spawned"
+            help="A server started elsewhere with `disagg hw serve` (e.g. decode0): not spawned"
         ),
     ] = None,
     bind: Annotated[str, typer.Option(help="Driver control socket")] = "tcp://127.0.0.1:*",

@@ -17,8 +17,10 @@ import pandas as pd
 from disagg.cli import run_simulation
 
 HERE = Path(__file__).parent
-MODELS = {"deepseek-r1": HERE / "r1-disagg-1p3d.toml",
-          "qwen3-coder": HERE / "qwen3coder-disagg-1p3d.toml"}
+MODELS = {
+    "deepseek-r1": HERE / "r1-disagg-1p3d.toml",
+    "qwen3-coder": HERE / "qwen3coder-disagg-1p3d.toml",
+}
 DECODE = {"TP8": ("tp=8", "dp=1"), "TP4x2": ("tp=4", "dp=2"), "DP8": ("tp=1", "dp=8")}
 
 
@@ -27,20 +29,28 @@ def study(duration_s: float, out: Path) -> pd.DataFrame:
     for model, path in MODELS.items():
         for dname, (tp, dp) in DECODE.items():
             for layout in ("HND", "NHD"):
-                sets = [f"workload.duration_s={duration_s}", f"cluster.decode.{tp}",
-                        f"cluster.decode.{dp}", f"kv.layout={layout}"]
+                sets = [
+                    f"workload.duration_s={duration_s}",
+                    f"cluster.decode.{tp}",
+                    f"cluster.decode.{dp}",
+                    f"kv.layout={layout}",
+                ]
                 run_dir = out / f"{model}-{dname}-{layout}"
                 _, s = run_simulation(path, sets, run_dir, quiet=True)
                 req = pd.read_parquet(run_dir / "requests.parquet")
                 tail = (req.ready_s - req.prefill_end_s).median()
-                rows.append({
-                    "model": model, "prefill -> decode": f"TP8 -> {dname}", "layout": layout,
-                    "writes/request": round(s["transfer_ops_per_request"]),
-                    "MB/request": round(s["transfer_bytes_per_request"] / 1e6, 1),
-                    "busiest NIC GB": round(s["nic_bytes_max"] / 1e9, 1),
-                    "tail after prefill p50 (ms)": round(tail * 1e3, 2),
-                    "TTFT p50 (ms)": round(s["ttft_s_p50"] * 1e3, 1),
-                })
+                rows.append(
+                    {
+                        "model": model,
+                        "prefill -> decode": f"TP8 -> {dname}",
+                        "layout": layout,
+                        "writes/request": round(s["transfer_ops_per_request"]),
+                        "MB/request": round(s["transfer_bytes_per_request"] / 1e6, 1),
+                        "busiest NIC GB": round(s["nic_bytes_max"] / 1e9, 1),
+                        "tail after prefill p50 (ms)": round(tail * 1e3, 2),
+                        "TTFT p50 (ms)": round(s["ttft_s_p50"] * 1e3, 1),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
