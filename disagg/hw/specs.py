@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, ModelSpec
+from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, TINY_GQA, TINY_MLA, ModelSpec
 
 
 def _dense(spec: ModelSpec) -> ModelSpec:
@@ -26,37 +26,15 @@ def _dense(spec: ModelSpec) -> ModelSpec:
 
 
 def tiny_gqa(layers: int = 2) -> ModelSpec:
-    """Llama-3.1-8B's structure at hidden 64: 4 query heads, 2 KV heads of 16."""
-    return replace(
-        LLAMA_31_8B,
-        name="tiny-gqa",
-        hidden=64,
-        layers=layers,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        vocab=256,
-        intermediate=128,
-    )
+    """Llama-3.1-8B's structure at hidden 64: 4 query heads, 2 KV heads of 16 (the catalogue's
+    tiny-gqa, at any depth)."""
+    return replace(TINY_GQA, layers=layers)
 
 
 def tiny_mla(layers: int = 2) -> ModelSpec:
-    """DeepSeek-V3's MLA structure at hidden 64: latent 32 + rope 8, 4 heads, dense MLP."""
-    return replace(
-        _dense(DEEPSEEK_V3),
-        name="tiny-mla",
-        hidden=64,
-        layers=layers,
-        heads=4,
-        head_dim=24,
-        vocab=256,
-        intermediate=128,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_dim=16,
-        qk_rope_dim=8,
-        v_head_dim=16,
-    )
+    """DeepSeek-V3's MLA structure at hidden 64: latent 32 + rope 8, 4 heads, dense MLP (the
+    catalogue's tiny-mla, at any depth)."""
+    return replace(TINY_MLA, layers=layers)
 
 
 def small_gqa(layers: int = 2) -> ModelSpec:
