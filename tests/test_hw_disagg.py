@@ -225,3 +225,16 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
         assert np.abs(first - ref_first).max() < 0.03 * scale
         assert np.corrcoef(first, ref_first)[0, 1] > 0.999
         assert got.metadata_sum == pytest.approx(ref.metadata_sum, rel=0.05, abs=0.5)
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    from disagg.errors import ConfigError, TransportError
+
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data["model"]["name"] = "llama-3.1-70b"  # 280 GB of float32 weights on this CPU
+    with pytest.raises(TransportError, match=r"llama-3.1-70b weights \(80 layers\) needs"):
+        run_hw(build_experiment(data), HwOptions(wire="tcp", num_pages=16), tmp_path / "x")
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data["cluster"]["decode"]["tp"] = 2
+    with pytest.raises(ConfigError, match="cluster.decode has nodes=1 tp=2 dp=1"):
+        run_hw(build_experiment(data), HwOptions(), tmp_path / "y")

@@ -124,8 +124,9 @@ class Control:
         now = time.monotonic()
         return [p for p in self.dealers if now - self.last_seen.get(p, now) > self.dead_after_s]
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the sockets, waiting up to `linger_s` for queued messages to leave."""
         for sock in self.dealers.values():
-            sock.close(0)
+            sock.close(int(linger_s * 1000))
         self.dealers.clear()
         self.router.close(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -34,10 +35,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def check_fits(device: torch.device, nbytes: int, what: str) -> None:
-    """Raise ConfigError if `nbytes` more bytes cannot be allocated on a CUDA device."""
+    """Raise ConfigError if `nbytes` more bytes cannot be allocated on the device (CUDA: free
+    memory now; CPU: available memory)."""
     if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        free, total = torch.cuda.mem_get_info(device)
     if nbytes > free:
         raise ConfigError(
             f"{what} needs {nbytes / 2**30:.1f} GiB but {device} has {free / 2**30:.1f} GiB free "

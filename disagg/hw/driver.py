@@ -94,8 +94,22 @@ def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
     return [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in lengths]
 
 
+def check_hw_experiment(exp: Experiment) -> None:
+    """ConfigError unless every server of the experiment is one device (the hw backend runs one
+    GPU per process: one prefill and one decode server, or one colocated server)."""
+    for role, g in exp.cluster.groups.items():
+        if g.tp * g.dp != 1 or g.nodes != 1:
+            raise ConfigError(
+                f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but a hardware run "
+                f"is one server of one GPU per role: --set cluster.{role}.nodes=1 "
+                f"--set cluster.{role}.tp=1 --set cluster.{role}.dp=1 (and model.layers=N to "
+                "fit a big model)"
+            )
+
+
 class Driver:
     def __init__(self, exp: Experiment, opts: HwOptions) -> None:
+        check_hw_experiment(exp)
         self.exp, self.opts = exp, opts
         self.control = Control("driver", opts.bind, dead_after_s=30.0)
         self.configs = node_configs(exp, opts, self.control.endpoint)
@@ -126,16 +140,16 @@ class Driver:
         got: dict[str, Any] = {}
         deadline = time.monotonic() + timeout_s
         while set(got) != names:
-            self.check_children()
-            if time.monotonic() > deadline:
-                missing = sorted(names - set(got))
-                raise TransportError(f"servers {missing} did not {what} within {timeout_s:g} s")
             self.control.heartbeat()
             msg = self.control.recv(0.5)
             if msg is not None and isinstance(msg[1], kind):
                 got[msg[0]] = msg[1]
             elif msg is not None and isinstance(msg[1], Records) and msg[1].error:
                 raise TransportError(msg[1].error)
+            self.check_children()
+            if time.monotonic() > deadline:
+                missing = sorted(names - set(got))
+                raise TransportError(f"servers {missing} did not {what} within {timeout_s:g} s")
         return got
 
     def check_children(self) -> None:

@@ -146,12 +146,21 @@ class NodeConfig:
 
 
 def serve(cfg: NodeConfig) -> None:
-    """Process body: build the server for `cfg.role` and run it until Shutdown."""
-    server: Server = {
+    """Process body: build the server for `cfg.role` and run it until Shutdown. A server that
+    cannot be built (no GPU, too little memory, a missing library) tells the driver why."""
+    kinds: dict[str, type[Server]] = {
         "prefill": PrefillServer,
         "decode": DecodeServer,
         "colocated": ColocatedServer,
-    }[cfg.role](cfg)
+    }
+    try:
+        server = kinds[cfg.role](cfg)
+    except DisaggError as e:
+        control = Control(cfg.name, cfg.bind)
+        control.connect("driver", cfg.driver)
+        control.send("driver", Records(cfg.name, (), (), f"{cfg.name}: {e}"))
+        control.close(linger_s=5.0)
+        return
     server.run()
 
 
@@ -206,10 +215,9 @@ class Server:
                 error,
             ),
         )
-        time.sleep(0.2)  # let the message leave before the sockets close
         if self.wire is not None:
             self.wire.close()
-        self.control.close()
+        self.control.close(linger_s=5.0)  # let the records leave first
 
     def announce(self) -> None:
         self.wire = make_transport(self.cfg.wire, endpoint=self.cfg.name)
