@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
 import torch
 import torch.nn.functional as F
 

@@ -236,5 +236,5 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
         run_hw(build_experiment(data), HwOptions(wire="tcp", num_pages=16), tmp_path / "x")
     data = experiment("tiny-gqa", "disagg", "HND", 8)
     data["cluster"]["decode"]["tp"] = 2
-    with pytest.raises(ConfigError, match="cluster.decode has nodes=1 tp=2 dp=1"):
+    with pytest.raises(ConfigError, match=r"cluster\.decode has nodes=1 tp=2 dp=1"):
         run_hw(build_experiment(data), HwOptions(), tmp_path / "y")

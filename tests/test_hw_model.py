@@ -7,6 +7,9 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
 import torch
 import torch.nn.functional as F
 

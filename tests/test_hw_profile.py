@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
 import pandas as pd
 
 from disagg.hw.profile import COLUMNS, profile, write_csv

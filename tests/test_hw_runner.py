@@ -6,6 +6,9 @@ import threading
 import time
 
 import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
 import torch
 
 from disagg.hw.batch import Seq

@@ -7,6 +7,9 @@ import random
 import time
 
 import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
 import torch
 
 from disagg.errors import TransportError

@@ -180,7 +180,16 @@ def test_the_rdma_suite_passes_on_soft_roce(
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    assert counts == {"tests": VM_TESTS, "failures": 0, "errors": 0, "skipped": 0}, run.stdout[
-        -6000:
-    ]
+    # the two disaggregated runs need the venv's torch inside the VM (an install without the
+    # hw extra skips their module there)
+    import importlib.util
+
+    torch = importlib.util.find_spec("torch") is not None  # else the module skips as one
+    want = {
+        "tests": VM_TESTS if torch else VM_TESTS - 1,
+        "failures": 0,
+        "errors": 0,
+        "skipped": 0 if torch else 1,
+    }
+    assert counts == want, run.stdout[-6000:]
     assert run.returncode == 0

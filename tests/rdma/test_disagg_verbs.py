@@ -24,9 +24,9 @@ pytest.importorskip("torch")
 pytest.importorskip("zmq")
 pd = pytest.importorskip("pandas")
 
-from disagg.config import build_experiment  # noqa: E402
-from disagg.hw import driver  # noqa: E402
-from disagg.hw.driver import HwOptions, run_hw  # noqa: E402
+from disagg.config import build_experiment
+from disagg.hw import driver
+from disagg.hw.driver import HwOptions, run_hw
 
 pytestmark = pytest.mark.rdma
 REQUESTS = 4
