@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from disagg.core.request import Request, Status
+from disagg.errors import ConfigError
 
 STEP_COLUMNS = [
     "node",
@@ -211,8 +212,6 @@ def read_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
     """The three tables and the summary of a run directory."""
     for name in ("requests.parquet", "steps.parquet", "transfers.parquet", "summary.json"):
         if not (run_dir / name).exists():
-            from disagg.errors import ConfigError
-
             raise ConfigError(f"{run_dir} is not a run directory: {name} is missing")
     return (
         pd.read_parquet(run_dir / "requests.parquet"),

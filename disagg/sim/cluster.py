@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 import simpy
@@ -32,6 +33,7 @@ from disagg.core.messenger import (
     Send,
     Unschedule,
 )
+from disagg.core.metrics import Recorder
 from disagg.core.request import Request, Status
 from disagg.core.router import make_router
 from disagg.core.scheduler import (
@@ -297,14 +299,12 @@ class Sim:
     """One simulated run of an experiment."""
 
     def __init__(self, exp: Experiment) -> None:
-        from disagg.core.metrics import Recorder
-
         self.exp = exp
         self.env = simpy.Environment()
         self.rng = random.Random(exp.seed)
         self.rec = Recorder()
         self.network = Network(self.env)
-        self.arrivals = generate(exp.workload, exp.seed, base_dir=_path(exp.base_dir))
+        self.arrivals = generate(exp.workload, exp.seed, base_dir=Path(exp.base_dir))
         if not self.arrivals:
             raise ConfigError("the workload produced no requests (duration too short?)")
         self.requests: dict[int, Request] = {}
@@ -442,9 +442,3 @@ class Sim:
             raise ConfigError(
                 f"simulation ended with {len(stuck)} unfinished requests (first: {stuck[:5]})"
             )
-
-
-def _path(p: str) -> Any:
-    from pathlib import Path
-
-    return Path(p)
