@@ -14,8 +14,8 @@ import torch
 
 from disagg.errors import TransportError
 from disagg.hw.transport import make_transport
-from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray
-from disagg.hw.transport.cuda import CudaTransport, as_arrays, coalesce
+from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
+from disagg.hw.transport.cuda import CudaTransport, as_arrays
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

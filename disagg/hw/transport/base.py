@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Descriptor:
@@ -86,6 +88,19 @@ class WriteArray(Sequence[Write]):
             int(self.dst_offsets[i]),
             int(self.nbytes[i]),
         )
+
+
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, sizes (int64)
+
+
+def coalesce(wa: WriteArray) -> Runs:
+    """Merge consecutive writes that continue each other on both sides into one run."""
+    s, d, n = (np.asarray(x, dtype=np.int64) for x in (wa.src_offsets, wa.dst_offsets, wa.nbytes))
+    if len(n) < 2:
+        return s, d, n
+    cont = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    starts = np.flatnonzero(np.concatenate([[True], ~cont]))
+    return s[starts], d[starts], np.add.reduceat(n, starts)
 
 
 @dataclass(frozen=True)

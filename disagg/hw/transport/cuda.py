@@ -35,14 +35,15 @@ from disagg.hw.transport.base import (
     Completion,
     Descriptor,
     Polled,
+    Runs,
     Transport,
     Unit,
     Write,
     WriteArray,
+    coalesce,
 )
 
 Events = tuple[list[tuple[torch.cuda.Event, int]], torch.cuda.Event]
-Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, sizes (int64)
 
 
 def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
@@ -58,16 +59,6 @@ def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
         )
         for (src, dst), ws in groups.items()
     ]
-
-
-def coalesce(wa: WriteArray) -> Runs:
-    """Merge consecutive writes that continue each other on both sides into one run."""
-    s, d, n = (np.asarray(x, dtype=np.int64) for x in (wa.src_offsets, wa.dst_offsets, wa.nbytes))
-    if len(n) < 2:
-        return s, d, n
-    cont = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
-    starts = np.flatnonzero(np.concatenate([[True], ~cont]))
-    return s[starts], d[starts], np.add.reduceat(n, starts)
 
 
 def _wait_and_notify(link: Link, job: Events) -> None:

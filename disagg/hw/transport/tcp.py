@@ -17,7 +17,16 @@ from typing import Any
 
 from disagg.errors import TransportError
 from disagg.hw.transport._wire import HAS_IMM, IMM, SMALL, WRITE, Link, Server, check_imm, frame
-from disagg.hw.transport.base import Completion, Descriptor, Polled, Transport, Unit
+from disagg.hw.transport.base import (
+    Completion,
+    Descriptor,
+    Polled,
+    Transport,
+    Unit,
+    Write,
+    WriteArray,
+    coalesce,
+)
 
 FLUSH_BYTES = 1 << 20
 
@@ -60,6 +69,14 @@ def _send_job(link: Link, job: list[tuple[bytes, memoryview]]) -> None:
             buf = bytearray()
     if buf:
         link.send(buf)
+
+
+def _runs(writes: Sequence[Write]) -> Sequence[Write]:
+    """A WriteArray's writes with contiguous neighbours merged (one frame per run)."""
+    if not isinstance(writes, WriteArray):
+        return writes
+    s, d, n = coalesce(writes)
+    return WriteArray(writes.src, writes.dst, s, d, n)
 
 
 class TcpTransport(Transport):
@@ -117,13 +134,14 @@ class TcpTransport(Transport):
             check_imm(unit)
             if not unit.writes and unit.imm is not None:
                 job.append((frame(IMM, unit.imm), memoryview(b"")))
-            for i, w in enumerate(unit.writes):
+            writes = _runs(unit.writes)
+            for i, w in enumerate(writes):
                 src, dst = self._views.get(w.src), remote.get(w.dst)
                 if src is None or dst is None:
                     raise TransportError(f"unknown region in write {w} (local or of peer {peer!r})")
                 if w.src_offset + w.nbytes > len(src) or w.dst_offset + w.nbytes > dst.nbytes:
                     raise TransportError(f"write {w} is out of bounds")
-                imm = unit.imm if i == len(unit.writes) - 1 else None
+                imm = unit.imm if i == len(writes) - 1 else None
                 header = frame(
                     WRITE,
                     imm or 0,
