@@ -161,7 +161,21 @@ def sim_run(
     out_dir, summary = run_simulation(experiment, set_, out, quiet)
     if not quiet:
         console.print(summary_table({summary["experiment"]: summary}))
+    report_failures(out_dir)
     console.print(f"results in {out_dir}/ (requests, steps, transfers .parquet; summary.json)")
+
+
+def report_failures(run_dir: Path) -> None:
+    """Say how many requests failed and why (the most common reasons), if any did."""
+    import pandas as pd
+
+    req = pd.read_parquet(run_dir / "requests.parquet", columns=["status", "fail_reason"])
+    failed = req[req.status == "failed"]
+    if failed.empty:
+        return
+    console.print(f"[bold yellow]{len(failed)} of {len(req)} requests failed[/]; reasons:")
+    for reason, n in failed.fail_reason.value_counts().head(3).items():
+        console.print(f"  {n} x {reason}", highlight=False)
 
 
 @sim_app.command("compare")

@@ -103,3 +103,16 @@ def test_user_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
         )
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert "error:" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_failed_requests_are_reported_with_their_reason(tmp_path: Path) -> None:
+    res = runner.invoke(app, [
+        "sim", "run", "--out", str(tmp_path / "f"), "--quiet",
+        "--set", "workload.duration_s=5", "--set", "model.name=llama-3.1-8b",
+        "--set", "model.weight_dtype=bf16", "--set", "cluster.prefill.tp=1",
+        "--set", "cluster.decode.tp=1", "--set", "hardware.gpu=H100-SXM",
+        "--set", "kv.memory_fraction=0.3", "--set", "kv.activation_reserve_gb=7.5",
+        "--set", "workload.prompt_tokens.low=9000", "--set", "workload.prompt_tokens.high=9000",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "requests failed" in res.output and "KV pages on decode node" in res.output
