@@ -13,7 +13,7 @@ import math
 import random
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import simpy
 
@@ -41,7 +41,6 @@ from disagg.core.scheduler import (
     ColocatedScheduler,
     DecodeScheduler,
     PrefillScheduler,
-    Progress,
     steps_to_finish,
 )
 from disagg.core.workload import generate
@@ -71,10 +70,15 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     return pages
 
 
+class _Schedules(Protocol):
+    def schedule(self) -> Batch: ...
+
+
 class Node:
-    """Common parts of a simulated node: name, wake-up event, cost model."""
+    """Common parts of a simulated node: name, wake-up event, cost model, the pass loop."""
 
     role = "node"
+    scheduler: _Schedules
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         self.sim, self.idx, self.group = sim, idx, group
@@ -91,6 +95,45 @@ class Node:
     def sleep(self) -> simpy.Event:
         self._wake = self.env.event()
         return self._wake
+
+    def loop(self) -> Proc:
+        """Ask the scheduler for a batch, run it, repeat; sleep while there is nothing to do."""
+        while True:
+            batch = self.scheduler.schedule()
+            if batch.empty:
+                yield self.sleep()
+            else:
+                yield from self.run_pass(batch)
+
+    def run_pass(self, batch: Batch) -> Proc:
+        raise NotImplementedError
+
+    def shape(self, batch: Batch) -> StepShape:
+        """The cost model's view of `batch`; stamps the prefill start of first chunks."""
+        for c in batch.chunks:
+            if math.isnan(c.req.prefill_start_s):
+                c.req.prefill_start_s = self.env.now
+        return StepShape(
+            prefill_tokens=batch.prefill_tokens,
+            prefill_attn_pairs=sum(chunk_attn_pairs(c.start, c.tokens) for c in batch.chunks),
+            decode_seqs=len(batch.decodes),
+            decode_context=float(sum(r.prompt_tokens + int(r.generated) for r in batch.decodes)),
+        )
+
+    def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
+        """One steps-table row for `steps` passes of `batch` that began at `t0`."""
+        d, prefill = len(batch.decodes), batch.prefill_tokens
+        self.sim.rec.step(
+            self.name,
+            kind,
+            t0,
+            self.env.now - t0,
+            steps,
+            len(batch.chunks) + d,
+            d,
+            prefill + d * self.cost.decode_qo,
+            prefill,
+        )
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
@@ -135,6 +178,7 @@ def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
 
 class PrefillNode(Node):
     role = "prefill"
+    scheduler: PrefillScheduler
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
@@ -148,45 +192,23 @@ class PrefillNode(Node):
     def load(self) -> int:
         return len(self.messenger)
 
-    def loop(self) -> Proc:
-        while True:
-            batch = self.scheduler.schedule()
-            if batch.empty:
-                yield self.sleep()
-                continue
-            t0 = self.env.now
-            shape = StepShape(
-                prefill_tokens=batch.prefill_tokens,
-                prefill_attn_pairs=sum(chunk_attn_pairs(c.start, c.tokens) for c in batch.chunks),
-            )
-            step_s = self.cost.step_time(shape)
-            for c in batch.chunks:
-                if math.isnan(c.req.prefill_start_s):
-                    c.req.prefill_start_s = t0
-            self.sim.execute(
-                self, self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks])
-            )
-            # every layer of the pass, each sent once it is produced (see TransferModel.post)
-            self.sim.execute(self, self.messenger.on_layers(self.layers), (t0, step_s))
-            yield self.env.timeout(step_s)
-            for r in self.scheduler.complete(batch).prefilled:
-                r.prefill_end_s = self.env.now
-            self.sim.rec.step(
-                self.name,
-                "prefill",
-                t0,
-                step_s,
-                1,
-                len(batch.chunks),
-                0,
-                batch.prefill_tokens,
-                batch.prefill_tokens,
-            )
-            self.sim.execute(self, self.messenger.on_batch_done())
+    def run_pass(self, batch: Batch) -> Proc:
+        t0 = self.env.now
+        step_s = self.cost.step_time(self.shape(batch))
+        chunks = [(c.req.id, c.start, c.tokens) for c in batch.chunks]
+        self.sim.execute(self, self.messenger.on_batch(chunks))
+        # every layer of the pass, each sent once it is produced (see TransferModel.post)
+        self.sim.execute(self, self.messenger.on_layers(self.layers), (t0, step_s))
+        yield self.env.timeout(step_s)
+        for r in self.scheduler.complete(batch).prefilled:
+            r.prefill_end_s = self.env.now
+        self.record("prefill", t0, 1, batch)
+        self.sim.execute(self, self.messenger.on_batch_done())
 
 
 class DecodeNode(Node):
     role = "decode"
+    scheduler: DecodeScheduler
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
@@ -207,26 +229,19 @@ class DecodeNode(Node):
         if len(self.scheduler.running) < self.scheduler.max_batch:
             self.wake()
 
-    def loop(self) -> Proc:
-        while True:
-            batch = self.scheduler.schedule()
-            if batch.empty:
-                yield self.sleep()
-                continue
-            t0 = self.env.now
-            steps = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
-            progress = self.scheduler.complete(batch, steps)
-            n = len(batch.decodes)
-            self.sim.rec.step(
-                self.name, "decode", t0, self.env.now - t0, steps, n, n, n * self.cost.decode_qo, 0
-            )
-            for r in progress.finished:
-                self.sim.finish(r)
-                self.sim.execute(self, self.messenger.release(r.id, self.env.now))
+    def run_pass(self, batch: Batch) -> Proc:
+        t0 = self.env.now
+        steps = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
+        progress = self.scheduler.complete(batch, steps)
+        self.record("decode", t0, steps, batch)
+        for r in progress.finished:
+            self.sim.finish(r)
+            self.sim.execute(self, self.messenger.release(r.id, self.env.now))
 
 
 class ColocatedNode(Node):
     role = "colocated"
+    scheduler: ColocatedScheduler
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
@@ -245,54 +260,21 @@ class ColocatedNode(Node):
         self.scheduler.add(req)
         self.wake()
 
-    def loop(self) -> Proc:
-        while True:
-            batch = self.scheduler.schedule()
-            if batch.empty:
-                yield self.sleep()
-                continue
-            t0 = self.env.now
-            if batch.decode_only:
-                steps = yield from self._decode_run(
-                    batch.decodes, self.tps, lambda: bool(self.scheduler.waiting)
-                )
-                progress = self.scheduler.complete(batch, steps)
-                kind, prefill = "decode", 0
-            else:
-                steps, kind, prefill = 1, "mixed", batch.prefill_tokens
-                progress = yield from self._mixed_step(batch)
-            n = len(batch.decodes) + len(batch.chunks)
-            d = len(batch.decodes)
-            self.sim.rec.step(
-                self.name,
-                kind,
-                t0,
-                self.env.now - t0,
-                steps,
-                n,
-                d,
-                prefill + d * self.cost.decode_qo,
-                prefill,
-            )
-            for r in progress.finished:
-                self.sim.finish(r)
-
-    def _mixed_step(self, batch: Batch) -> Generator[simpy.Event, Any, Progress]:
+    def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
-        shape = StepShape(
-            prefill_tokens=batch.prefill_tokens,
-            prefill_attn_pairs=sum(chunk_attn_pairs(c.start, c.tokens) for c in batch.chunks),
-            decode_seqs=len(batch.decodes),
-            decode_context=float(sum(r.prompt_tokens + int(r.generated) for r in batch.decodes)),
-        )
-        for c in batch.chunks:
-            if math.isnan(c.req.prefill_start_s):
-                c.req.prefill_start_s = t0
-        yield self.env.timeout(self.cost.step_time(shape))
-        progress = self.scheduler.complete(batch)
-        for r in progress.prefilled:
-            r.prefill_end_s = r.first_token_s = self.env.now
-        return progress
+        if batch.decode_only:
+            waiting = lambda: bool(self.scheduler.waiting)  # noqa: E731
+            steps = yield from self._decode_run(batch.decodes, self.tps, waiting)
+            progress = self.scheduler.complete(batch, steps)
+        else:
+            steps = 1
+            yield self.env.timeout(self.cost.step_time(self.shape(batch)))
+            progress = self.scheduler.complete(batch)
+            for r in progress.prefilled:
+                r.prefill_end_s = r.first_token_s = self.env.now
+        self.record("decode" if batch.decode_only else "mixed", t0, steps, batch)
+        for r in progress.finished:
+            self.sim.finish(r)
 
 
 class Sim:
