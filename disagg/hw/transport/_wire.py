@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import queue
 import socket
 import struct
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from disagg.errors import TransportError
-from disagg.hw.transport.base import Completion, Unit
+from disagg.hw.transport.base import Completion, Polled, Transport, Unit
 
 FRAME = struct.Struct("<BBHIQQQ")  # kind, flags, pad, region, offset, nbytes, value
 HELLO, WRITE, IMM, END, ACK = range(5)
@@ -243,3 +244,47 @@ class Link:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
+
+
+class SocketWire(Transport):
+    """What the tcp and cuda wires share: a receiving Server (it applies or notes what peers
+    send and collects immediates), one sending Link per peer, and completions gathered from
+    the links' threads. Subclasses register memory and post."""
+
+    def __init__(self, endpoint: str, host: str, port: int, regions: dict[int, Any]) -> None:
+        self.endpoint = endpoint or f"{socket.gethostname()}:{os.getpid()}"
+        self._server = Server(host, port, regions)
+        self._links: dict[str, Link] = {}
+        self._lock = threading.Lock()
+        self._completions: list[Completion] = []
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.name} endpoint {self.endpoint!r} is closed")
+
+    def _check_new_peer(self, peer: str) -> None:
+        self._check_open()
+        if peer in self._links:
+            raise TransportError(f"already connected to peer {peer!r}")
+
+    def _done(self, c: Completion) -> None:
+        with self._lock:
+            self._completions.append(c)
+
+    def local_info(self) -> dict[str, Any]:
+        host, port = self._server.address
+        return {"wire": self.name, "host": host, "port": port, "endpoint": self.endpoint}
+
+    def poll(self) -> Polled:
+        with self._lock:
+            done, self._completions = self._completions, []
+        return Polled(done, self._server.take_immediates())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links.values():
+            link.close()
+        self._server.close()

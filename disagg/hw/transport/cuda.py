@@ -18,10 +18,7 @@ guarantees this for KV pages) or synchronise first.
 from __future__ import annotations
 
 import base64
-import os
 import pickle
-import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,13 +27,10 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from disagg.errors import TransportError
-from disagg.hw.transport._wire import IMM, Link, Server, check_imm, frame
+from disagg.hw.transport._wire import IMM, Link, SocketWire, check_imm, frame
 from disagg.hw.transport.base import (
-    Completion,
     Descriptor,
-    Polled,
     Runs,
-    Transport,
     Unit,
     Write,
     WriteArray,
@@ -70,7 +64,7 @@ def _wait_and_notify(link: Link, job: Events) -> None:
     final.synchronize()
 
 
-class CudaTransport(Transport):
+class CudaTransport(SocketWire):
     """One cuda endpoint; all of its registered regions live on one GPU."""
 
     name = "cuda"
@@ -78,21 +72,12 @@ class CudaTransport(Transport):
     def __init__(self, endpoint: str = "", host: str = "127.0.0.1", port: int = 0) -> None:
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
-        self.endpoint = endpoint or f"{socket.gethostname()}:{os.getpid()}"
+        super().__init__(endpoint, host, port, {})
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
         self._remote: dict[str, dict[str, torch.Tensor]] = {}
-        self._links: dict[str, Link] = {}
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
-        self._server = Server(host, port, {})
-        self._lock = threading.Lock()
-        self._completions: list[Completion] = []
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError(f"cuda endpoint {self.endpoint!r} is closed")
 
     def register(self, region: str, buffer: Any) -> Descriptor:
         self._check_open()
@@ -115,14 +100,8 @@ class CudaTransport(Transport):
             self.name, region, flat.numel(), {"ipc": ipc, "device": flat.device.index}
         )
 
-    def local_info(self) -> dict[str, Any]:
-        host, port = self._server.address
-        return {"wire": self.name, "host": host, "port": port, "endpoint": self.endpoint}
-
     def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
-        self._check_open()
-        if peer in self._links:
-            raise TransportError(f"already connected to peer {peer!r}")
+        self._check_new_peer(peer)
         mapped = {}
         for d in regions:
             try:
@@ -135,10 +114,6 @@ class CudaTransport(Transport):
                 ) from e
         self._remote[peer] = mapped
         self._links[peer] = Link(self.name, peer, info, self.endpoint, _wait_and_notify, self._done)
-
-    def _done(self, c: Completion) -> None:
-        with self._lock:
-            self._completions.append(c)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -213,17 +188,7 @@ class CudaTransport(Transport):
             final.record(self._stream)
         self._links[peer].submit((marks, final), wr_id)
 
-    def poll(self) -> Polled:
-        with self._lock:
-            done, self._completions = self._completions, []
-        return Polled(done, self._server.take_immediates())
-
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for link in self._links.values():
-            link.close()
-        self._server.close()
+        super().close()
         self._remote.clear()
         self._rows.clear()

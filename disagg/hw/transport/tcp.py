@@ -9,19 +9,22 @@ batch with an error naming the peer.
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from disagg.errors import TransportError
-from disagg.hw.transport._wire import HAS_IMM, IMM, SMALL, WRITE, Link, Server, check_imm, frame
+from disagg.hw.transport._wire import (
+    HAS_IMM,
+    IMM,
+    SMALL,
+    WRITE,
+    Link,
+    SocketWire,
+    check_imm,
+    frame,
+)
 from disagg.hw.transport.base import (
-    Completion,
     Descriptor,
-    Polled,
-    Transport,
     Unit,
     Write,
     WriteArray,
@@ -79,7 +82,7 @@ def _runs(writes: Sequence[Write]) -> Sequence[Write]:
     return WriteArray(writes.src, writes.dst, s, d, n)
 
 
-class TcpTransport(Transport):
+class TcpTransport(SocketWire):
     """One tcp endpoint: listens on (host, port) for writers, connects to peers to write.
 
     endpoint names this side in the peer's errors; port 0 picks a free port. Thread-safe.
@@ -88,19 +91,10 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, endpoint: str = "", host: str = "127.0.0.1", port: int = 0) -> None:
-        self.endpoint = endpoint or f"{socket.gethostname()}:{os.getpid()}"
         self._views: dict[str, memoryview] = {}
         self._by_id: dict[int, memoryview] = {}
-        self._server = Server(host, port, self._by_id)
-        self._links: dict[str, Link] = {}
+        super().__init__(endpoint, host, port, self._by_id)
         self._peer_regions: dict[str, dict[str, Descriptor]] = {}
-        self._lock = threading.Lock()
-        self._completions: list[Completion] = []
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError(f"tcp endpoint {self.endpoint!r} is closed")
 
     def register(self, region: str, buffer: Any) -> Descriptor:
         self._check_open()
@@ -112,20 +106,10 @@ class TcpTransport(Transport):
         self._by_id[rid] = view
         return Descriptor(self.name, region, len(view), {"id": rid})
 
-    def local_info(self) -> dict[str, Any]:
-        host, port = self._server.address
-        return {"wire": self.name, "host": host, "port": port, "endpoint": self.endpoint}
-
     def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
-        self._check_open()
-        if peer in self._links:
-            raise TransportError(f"already connected to peer {peer!r}")
+        self._check_new_peer(peer)
         self._peer_regions[peer] = {d.region: d for d in regions}
         self._links[peer] = Link(self.name, peer, info, self.endpoint, _send_job, self._done)
-
-    def _done(self, c: Completion) -> None:
-        with self._lock:
-            self._completions.append(c)
 
     def _job(self, peer: str, units: Sequence[Unit]) -> list[tuple[bytes, memoryview]]:
         remote = self._peer_regions[peer]
@@ -158,16 +142,3 @@ class TcpTransport(Transport):
         if peer not in self._links:
             raise TransportError(f"not connected to peer {peer!r}")
         self._links[peer].submit(self._job(peer, units), wr_id)
-
-    def poll(self) -> Polled:
-        with self._lock:
-            done, self._completions = self._completions, []
-        return Polled(done, self._server.take_immediates())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for link in self._links.values():
-            link.close()
-        self._server.close()
