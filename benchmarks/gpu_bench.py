@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from disagg.core.kvcache import pages_for
+from disagg.hw import attention
 from disagg.hw.attention import AttnShape, TorchAttention, make_attention
 from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.device import resolve_device, time_it
@@ -117,6 +118,14 @@ def correctness(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
     rows = [
         check(k, m, dev, i) for i, (k, m) in enumerate((k, m) for k in GPU_SHAPES for m in LENS)
     ]
+    default = attention.DECODE_BACKEND
+    for kernel in (k for k in attention.DECODE_BACKENDS if k != default):  # the other kernels
+        attention.DECODE_BACKEND = kernel
+        try:
+            for k in ("GQA-HND", "GQA-NHD"):
+                rows.append(check(k, "decode", dev, 7) | {"mode": f"decode ({kernel})"})
+        finally:
+            attention.DECODE_BACKEND = default
     return {"rows": rows, "ok": all(r["ok"] for r in rows)}
 
 
@@ -214,6 +223,9 @@ def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str,
 
 # ---- decode --------------------------------------------------------------------------------
 def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
+    """The CUDA-graph decode step with each FlashInfer decode kernel (attention.DECODE_BACKEND),
+    and where its time goes: the weights-only step (1-token contexts), the layer GEMMs alone at
+    M = batch, one layer's attention alone (also at larger pages)."""
     spec, b, ctx, ps = sizes.spec, sizes.decode_batch, sizes.decode_context, sizes.page_size
     model = state.get("model")
     if model is None or model.device != dev:
@@ -222,37 +234,86 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
     cache = model.new_cache(b * per, ps)
     for layer in cache.layers:
         layer.uniform_(-1, 1)
-    runner = Runner(model, cache, graph_batches=(b,))
-    runner.capture()
     seqs = [Seq((i % spec.vocab,), ctx, tuple(range(i * per, (i + 1) * per))) for i in range(b)]
-    t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
     short = [Seq(s.tokens, 0, s.pages) for s in seqs]
-    t_weights = statistics.median(time_it(partial(runner.step, short), dev, warmup=2, repeats=10))
-    eager = Runner(model, cache, graph_batches=())
-    t_eager = statistics.median(time_it(partial(eager.step, seqs), dev, warmup=2, repeats=5))
     elem = 2 if dev.type == "cuda" else 4
     weights = model.weight_bytes() - spec.vocab * spec.hidden * elem + b * spec.hidden * elem
     kv = b * (ctx + 1) * spec.kv_bytes_per_token("bf16" if elem == 2 else "fp32")
     copy_bw = state.get("copy", {}).get("gbps_read_write", float("nan"))
-    gbps = (weights + kv) / t / 1e9
-    graph, graph_error = bool(runner._graphs), runner.graph_error
-    del cache, runner, eager
+    variants: dict[str, dict[str, Any]] = {}
+    default = attention.DECODE_BACKEND
+    kernels = attention.DECODE_BACKENDS if dev.type == "cuda" else ("cuda-cores",)
+    for kernel in kernels:
+        attention.DECODE_BACKEND = kernel
+        try:
+            runner = Runner(model, cache, graph_batches=(b,))
+            runner.capture()
+            t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
+            t_w = statistics.median(time_it(partial(runner.step, short), dev, warmup=2, repeats=10))
+            variants[kernel] = {
+                "median_s": t,
+                "gbps": (weights + kv) / t / 1e9,
+                "fraction_of_copy": (weights + kv) / t / 1e9 / copy_bw,
+                "graph": bool(runner._graphs),
+                "graph_error": runner.graph_error,
+                "weights_only_step_s": t_w,
+                "kv_gbps_beyond_weights": kv / max(t - t_w, 1e-9) / 1e9,
+                "attention_one_layer_s": _attention_alone(runner.shape, seqs, cache.layers[0]),
+            }
+            del runner
+        except Exception as e:  # one kernel failing (say, a JIT build) leaves the others
+            variants[kernel] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            attention.DECODE_BACKEND = default
+    eager = Runner(model, cache, graph_batches=())
+    t_eager = statistics.median(time_it(partial(eager.step, seqs), dev, warmup=2, repeats=5))
+    del cache, eager
+    ok = {k: v for k, v in variants.items() if "median_s" in v}
+    best = min(ok, key=lambda k: ok[k]["median_s"])
     return {
         "batch": b,
         "context": ctx,
-        "median_s": t,
-        "graph": graph,
-        "graph_error": graph_error,
         "weight_bytes": weights,
         "kv_bytes": kv,
-        "gbps": gbps,
         "copy_gbps": copy_bw,
-        "fraction_of_copy": gbps / copy_bw,
         "target": 0.75,
-        "weights_only_step_s": t_weights,
-        "kv_gbps_beyond_weights": kv / max(t - t_weights, 1e-9) / 1e9,
+        "variants": variants,
+        "best": best,
+        **{k: ok[best][k] for k in ("median_s", "gbps", "fraction_of_copy", "graph")},
+        "layer_gemms_alone_s": linear_floor(dev, spec, b),
+        "lm_head_alone_s": _lm_head_alone(model, b, dev),
+        "attention_by_page_size_s": _attention_pages(spec, b, ctx, dev),
         "eager_step_s": t_eager,
     }
+
+
+def _attention_alone(shape: AttnShape, seqs: list[Seq], layer: torch.Tensor) -> float:
+    """Seconds of one layer's decode attention over `seqs` (planned once, run alone)."""
+    dev = layer.device
+    attn = make_attention("auto", shape, dev, layer.dtype)
+    attn.plan(BatchMeta.of(seqs, shape.page_size, layer.shape[0] - 1))
+    q = torch.randn(len(seqs), shape.heads, shape.head_dim, device=dev).to(layer.dtype)
+    return statistics.median(time_it(partial(attn.run, layer, q), dev, warmup=3, repeats=20))
+
+
+def _attention_pages(spec: ModelSpec, b: int, ctx: int, dev: torch.device) -> dict[int, float]:
+    """One layer's decode attention (default kernel) at batch b x ctx, by page size."""
+    out = {}
+    for ps in (16, 32, 64):
+        per = pages_for(ctx + 1, ps)
+        shape = AttnShape.of(spec, ps, "HND")
+        layer = torch.empty(b * per + 1, 2, spec.kv_heads, ps, spec.head_dim, device=dev)
+        layer = layer.uniform_(-1, 1).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        seqs = [Seq((0,), ctx, tuple(range(i * per, (i + 1) * per))) for i in range(b)]
+        out[ps] = _attention_alone(shape, seqs, layer)
+        del layer
+    return out
+
+
+def _lm_head_alone(model: Transformer, rows: int, dev: torch.device) -> float:
+    x = torch.randn(rows, model.spec.hidden, device=dev).to(model.dtype)
+    fn = partial(torch.nn.functional.linear, x, model.lm_head)
+    return statistics.median(time_it(fn, dev, warmup=3, repeats=10))
 
 
 # ---- the cuda wire -------------------------------------------------------------------------
@@ -276,6 +337,12 @@ def _layouts(pages: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray
     }
 
 
+def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Plain copies, one per (dst, src) pair: the same bytes as layer-wise sends."""
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 def _transfer_one(
     dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int
 ) -> dict[str, Any]:
@@ -297,11 +364,14 @@ def _transfer_one(
         a = torch.empty(nbytes, dtype=torch.uint8, device=dev_p)
         b = torch.empty(nbytes, dtype=torch.uint8, device=dev_d)
         copy_s = statistics.median(time_it(partial(b.copy_, a), dev_p, warmup=3, repeats=10))
-        del a, b
+        pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
+        layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
+        del a, b, pieces
         out: dict[str, Any] = {
             "tokens": pages * 16,
             "bytes": nbytes,
             "copy_gbps": nbytes / copy_s / 1e9,
+            "per_layer_copy_gbps": nbytes / layer_s / 1e9,
         }
         torch.cuda.synchronize(dev_p)
         wr, posts = 0, 0
@@ -340,6 +410,7 @@ def _transfer_one(
                 "end_to_end_gbps": e2e_gbps,
                 "device_fraction_of_copy": dev_gbps / out["copy_gbps"],
                 "end_to_end_fraction_of_copy": e2e_gbps / out["copy_gbps"],
+                "device_fraction_of_per_layer_copy": dev_gbps / out["per_layer_copy_gbps"],
             }
             if pool * pb <= 64 << 20:  # check the bytes of the last layer landed where asked
                 got = np.frombuffer(recv.ask("read", layers - 1), dtype=np.uint8).reshape(pool, pb)
@@ -388,13 +459,15 @@ def headline(r: dict[str, Any]) -> list[str]:
                 p["target"],
             )
         )
-    if "gbps" in d:
+    for name, v in d.get("variants", {}).items():
+        if "gbps" not in v:
+            continue
         rows.append(
             _row(
-                f"decode {d['batch']} x {d['context']} (graph={d['graph']})",
-                f"{d['gbps']:.0f} GB/s ({d['median_s'] * 1e3:.2f} ms)",
+                f"decode {d['batch']} x {d['context']}, {name} kernel, graph={v['graph']}",
+                f"{v['gbps']:.0f} GB/s ({v['median_s'] * 1e3:.2f} ms)",
                 f"device copy {d['copy_gbps']:.0f} GB/s",
-                d["fraction_of_copy"],
+                v["fraction_of_copy"],
                 d["target"],
             )
         )
@@ -406,7 +479,8 @@ def headline(r: dict[str, Any]) -> list[str]:
                     _row(
                         f"cuda wire {run['tokens']} tok, {lay}, {kind.replace('_', '-')}",
                         f"{g:.0f} GB/s",
-                        f"plain copy {run['copy_gbps']:.0f} GB/s",
+                        f"plain copy {run['copy_gbps']:.0f} GB/s (as {t['layers']} per-layer "
+                        f"copies {run['per_layer_copy_gbps']:.0f} GB/s)",
                         run[lay][f"{kind}_fraction_of_copy"],
                         t["target"],
                     )

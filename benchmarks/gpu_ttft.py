@@ -13,7 +13,8 @@ out. TTFT is measured by the driver's wall clock from arrival to the first token
 
 The target (issue 4): layer-wise disaggregated TTFT within one layer's transfer plus one decode
 step of colocated. One layer's transfer is that layer's KV bytes at the bandwidth of a plain
-device copy measured here; the decode step is the decode server's median batch-1 pass.
+device copy measured here; the decode step is the colocated run's median batch-1 decode pass
+at that prompt length (the KV read grows with the context).
 """
 
 from __future__ import annotations
@@ -45,6 +46,30 @@ def trace(path: Path, prompts: list[int], spacing_s: float) -> Path:
         t += spacing_s
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def breakdown(req: pd.DataFrame) -> pd.DataFrame:
+    """Median milliseconds of each stage of TTFT, by prompt length: waiting for the prefill,
+    the prefill (start to the end of its step), its end to all KV landed on the decoder (ready),
+    and ready to the first token (the decoder's first step)."""
+    ends = ["arrival_s", "prefill_start_s", "prefill_end_s", "ready_s", "first_token_s"]
+    names = ["queue", "prefill", "end to ready", "ready to token"]
+    ms = pd.DataFrame(
+        {n: 1e3 * (req[b] - req[a]) for n, a, b in zip(names, ends, ends[1:], strict=False)}
+    )
+    ms["ttft"] = 1e3 * req.ttft_s
+    return ms.groupby(req.prompt_tokens).median().round(2)
+
+
+def decode_steps(req: pd.DataFrame, steps: pd.DataFrame) -> dict[int, float]:
+    """Median seconds of a batch-1 decode pass at each prompt length: the passes that ran
+    while a request of that length was decoding (requests run one at a time)."""
+    one = steps[(steps.kind == "decode") & (steps.decode_seqs == 1)]
+    out: dict[int, list[float]] = {}
+    for _, r in req.iterrows():
+        during = one[(one.start_s >= r.first_token_s - 1e-3) & (one.start_s < r.finish_s)]
+        out.setdefault(int(r.prompt_tokens), []).extend(during.duration_s)
+    return {n: statistics.median(v) if v else float("nan") for n, v in out.items()}
 
 
 def device(arg: str) -> str:
@@ -105,7 +130,8 @@ def main() -> None:
         "whole": ("disagg", "whole"),
     }
     ttft: dict[str, dict[int, float]] = {}
-    decode_step: dict[str, float] = {}
+    stages: dict[str, pd.DataFrame] = {}
+    decode_step: dict[str, dict[int, float]] = {}
     for label, (mode, policy) in runs.items():
         t = time.perf_counter()
         exp = build_experiment(experiment(args.model, mode, policy, tpath, max(prompts)))
@@ -115,9 +141,16 @@ def main() -> None:
         summary, _ = run_hw(exp, opts, args.out / label)
         req = pd.read_parquet(args.out / label / "requests.parquet").iloc[1:]  # no warm-up
         ttft[label] = req.groupby("prompt_tokens").ttft_s.median().to_dict()
+        stages[label] = breakdown(req)
+        failed = req[req.status != "finished"]
+        for _, r in failed.iterrows():
+            print(
+                f"{label}: request {r.request_id} ({r.prompt_tokens} tokens) {r.status}: "
+                f"{r.fail_reason}",
+                flush=True,
+            )
         steps = pd.read_parquet(args.out / label / "steps.parquet")
-        one = steps[(steps.kind == "decode") & (steps.decode_seqs == 1)]
-        decode_step[label] = float(one.duration_s.median()) if len(one) else float("nan")
+        decode_step[label] = decode_steps(req, steps)
         print(
             f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",
             flush=True,
@@ -127,7 +160,7 @@ def main() -> None:
     rows = []
     for n in prompts:
         layer_s = n * kv_layer / bw
-        bound = layer_s + decode_step["colocated"]
+        bound = layer_s + decode_step["colocated"][n]
         rows.append(
             {
                 "prompt tokens": n,
@@ -142,13 +175,17 @@ def main() -> None:
         )
     table = pd.DataFrame(rows).round(2)
     md = table.to_markdown(index=False)
-    extra = (
-        f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; batch-1 decode pass: colocated "
-        f"{1e3 * decode_step['colocated']:.2f} ms, disaggregated "
-        f"{1e3 * decode_step['layerwise']:.2f} ms\n"
+    passes = ", ".join(
+        f"{n}: {1e3 * decode_step['colocated'][n]:.2f} / {1e3 * decode_step['layerwise'][n]:.2f}"
+        for n in prompts
     )
-    (args.out / "gpu_ttft.md").write_text(md + "\n" + extra)
-    print(md + "\n" + extra)
+    extra = (
+        f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; batch-1 decode pass (ms, colocated / "
+        f"disaggregated) by prompt length: {passes}\n"
+    )
+    parts = [f"\n{label} (ms, medians)\n\n{df.to_markdown()}\n" for label, df in stages.items()]
+    (args.out / "gpu_ttft.md").write_text(md + "\n" + extra + "".join(parts))
+    print(md + "\n" + extra + "".join(parts))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ pytest.importorskip("zmq")
 
 from disagg.core.messenger import PrefillRequest, TransferAborted
 from disagg.errors import TransportError
-from disagg.hw.control import Control, decode, encode
+from disagg.hw.control import PACK_MIN, Control, decode, encode
 
 
 def test_messages_round_trip() -> None:
@@ -17,6 +17,18 @@ def test_messages_round_trip() -> None:
     assert decode(encode(msg)) == msg
     with pytest.raises(TransportError, match="not a registered message"):
         encode(object())
+
+
+def test_long_integer_sequences_travel_packed_and_come_back_exact() -> None:
+    prompt = tuple(range(-5, 40_000, 3))  # long: packed as int32
+    msg = PrefillRequest(7, 3, 1, len(prompt), prompt, 0)
+    raw = encode(msg)
+    assert b"__i32__" in raw and len(raw) < 6 * len(prompt)
+    assert decode(raw) == msg
+    # too large for int32, or not integers: plain JSON, still exact
+    for odd in (tuple(range(2**31, 2**31 + PACK_MIN)), tuple(i / 2 for i in range(PACK_MIN))):
+        msg = PrefillRequest(7, 3, 1, 1, odd, 0)
+        assert b"__i32__" not in encode(msg) and decode(encode(msg)) == msg
 
 
 def _echo(endpoint: str, q: mp.Queue) -> None:

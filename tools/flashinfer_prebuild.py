@@ -1,6 +1,6 @@
 """Build the FlashInfer kernels a run needs once, before several processes load them.
 
-    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3] [--page-size 16]
+    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3,llama-3.1-8b@fa2]
 
 FlashInfer 0.6.0 JIT-compiles each kernel module on first use with ninja in one shared build
 directory; two processes building at once (a prefill and a decode server starting together)
@@ -24,27 +24,36 @@ from pathlib import Path
 
 
 def warm(model: str, page_size: int) -> None:
-    """Child: one prefill and one graph decode pass of a one-layer `model` (builds its kernels)."""
+    """Child: one prefill and one graph decode pass of a one-layer `model` (builds its kernels).
+    `model@kernel` builds with that decode kernel (attention.DECODE_BACKEND)."""
+    from disagg.hw import attention
     from disagg.hw.batch import Seq
     from disagg.hw.model import Transformer
     from disagg.hw.runner import Runner
     from disagg.models import get_model
 
+    model, _, kernel = model.partition("@")
+    attention.DECODE_BACKEND = kernel or attention.DECODE_BACKEND
     spec = get_model(model).with_layers(1)
     net = Transformer(spec, device="cuda")
     for layout in ("HND", "NHD"):
         if spec.attention == "mla" and layout == "NHD":
             continue
         runner = Runner(net, net.new_cache(64, page_size, layout), graph_batches=(1,))
-        runner.step([Seq.of(range(40), 0, range(4))])
-        runner.step([Seq.of(range(8), 40, range(4))])
+        if not kernel:  # a decode kernel alone needs no prefill pass
+            runner.step([Seq.of(range(40), 0, range(4))])
+            runner.step([Seq.of(range(8), 40, range(4))])
         runner.step([Seq.of([1], 48, range(4))], sample=True)
-    print(f"{model}: kernels built", flush=True)
+    print(f"{model}{'@' + kernel if kernel else ''}: kernels built", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="llama-3.1-8b,deepseek-v3")
+    ap.add_argument(
+        "--models",
+        default="llama-3.1-8b,deepseek-v3",
+        help="comma-separated; MODEL@KERNEL also builds that GQA decode kernel (fa2, fa3)",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--warm", help=argparse.SUPPRESS)
     args = ap.parse_args()

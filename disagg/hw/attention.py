@@ -31,6 +31,22 @@ WORKSPACE_BYTES = 128 * 2**20
 # FlashInfer's MLA backend: "fa2" (SM80 code, runs on Hopper) keeps the JIT build short; "fa3"
 # (Hopper only) is the faster kernel once MLA speed matters.
 MLA_BACKEND = "fa2"
+# GQA decode kernel: "cuda-cores" (FlashInfer's decode kernel), or "fa2" / "fa3": tensor cores,
+# FlashInfer's prefill kernel of that backend with a KV group's query heads as rows ("fa3" is
+# the module the prefill wrapper builds anyway; "fa2" is one more JIT build). Read when a
+# wrapper is made. Measured on an H200 at batch 128 x 4k context (gpu_bench_2026-11-29b):
+# cuda-cores 35.6 ms per step, fa3 92.0 ms, so cuda-cores is the default.
+DECODE_BACKEND = "cuda-cores"
+DECODE_BACKENDS = ("cuda-cores", "fa2", "fa3")
+
+
+def _decode_kernel() -> dict[str, Any]:
+    """Keyword arguments that select DECODE_BACKEND in a FlashInfer decode wrapper."""
+    if DECODE_BACKEND not in DECODE_BACKENDS:
+        raise ConfigError(f"unknown decode backend {DECODE_BACKEND!r}: one of {DECODE_BACKENDS}")
+    if DECODE_BACKEND == "cuda-cores":
+        return {}
+    return {"use_tensor_cores": True, "backend": DECODE_BACKEND}
 
 
 def import_flashinfer() -> ModuleType:
@@ -200,7 +216,9 @@ class FlashInferAttention(Attention):
             self._prefill = wrappers.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, shape.layout
             )
-            self._decode = wrappers.BatchDecodeWithPagedKVCacheWrapper(self.workspace, shape.layout)
+            self._decode = wrappers.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, shape.layout, **_decode_kernel()
+            )
 
     def _buf(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
@@ -211,6 +229,7 @@ class FlashInferAttention(Attention):
             self.workspace,
             self.shape.layout,
             use_cuda_graph=True,
+            **_decode_kernel(),
             paged_kv_indptr_buffer=self._buf(b + 1),
             paged_kv_indices_buffer=self._buf(max_pages),
             paged_kv_last_page_len_buffer=self._buf(b),

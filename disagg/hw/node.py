@@ -37,7 +37,7 @@ from disagg.hw.control import Control, register
 from disagg.hw.model import Transformer
 from disagg.hw.runner import LayerWatcher, Runner
 from disagg.hw.transport import make_transport
-from disagg.hw.transport.base import Descriptor, Transport, Unit, Write, WriteArray
+from disagg.hw.transport.base import Descriptor, Transport, Unit, Write, WriteArray, total_bytes
 
 META_SLOTS = 4096  # rows of the decode side's metadata buffer (one per in-flight request)
 SLOT_BITS = 16  # an immediate is (count << 16) | slot: which request, and how many write units
@@ -409,7 +409,7 @@ class PrefillServer(Server):
         self.posts[self._wr] = req_id
         t = self.transfer_row(req_id)
         t[3] = min(t[3], self.now())
-        t[1] += sum(w.nbytes for u in units for w in u.writes)
+        t[1] += sum(total_bytes(u.writes) for u in units)
         t[2] += sum(len(u.writes) for u in units)
         self.wire.post(peer, units, self._wr)
 

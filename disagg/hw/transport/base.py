@@ -103,6 +103,21 @@ def coalesce(wa: WriteArray) -> Runs:
     return s[starts], d[starts], np.add.reduceat(n, starts)
 
 
+def coalesced(writes: Sequence[Write]) -> Sequence[Write]:
+    """A WriteArray's writes with contiguous neighbours merged (others are returned as given)."""
+    if not isinstance(writes, WriteArray):
+        return writes
+    s, d, n = coalesce(writes)
+    return WriteArray(writes.src, writes.dst, s, d, n)
+
+
+def total_bytes(writes: Sequence[Write]) -> int:
+    """Bytes of `writes`, without building one Write per element of a WriteArray."""
+    if isinstance(writes, WriteArray):
+        return int(np.sum(np.asarray(writes.nbytes, dtype=np.int64)))
+    return sum(w.nbytes for w in writes)
+
+
 @dataclass(frozen=True)
 class Unit:
     """Writes posted together; `imm` (if not None) rides on the last one."""

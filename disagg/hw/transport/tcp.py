@@ -26,9 +26,7 @@ from disagg.hw.transport._wire import (
 from disagg.hw.transport.base import (
     Descriptor,
     Unit,
-    Write,
-    WriteArray,
-    coalesce,
+    coalesced,
 )
 
 FLUSH_BYTES = 1 << 20
@@ -74,14 +72,6 @@ def _send_job(link: Link, job: list[tuple[bytes, memoryview]]) -> None:
         link.send(buf)
 
 
-def _runs(writes: Sequence[Write]) -> Sequence[Write]:
-    """A WriteArray's writes with contiguous neighbours merged (one frame per run)."""
-    if not isinstance(writes, WriteArray):
-        return writes
-    s, d, n = coalesce(writes)
-    return WriteArray(writes.src, writes.dst, s, d, n)
-
-
 class TcpTransport(SocketWire):
     """One tcp endpoint: listens on (host, port) for writers, connects to peers to write.
 
@@ -118,7 +108,7 @@ class TcpTransport(SocketWire):
             check_imm(unit)
             if not unit.writes and unit.imm is not None:
                 job.append((frame(IMM, unit.imm), memoryview(b"")))
-            writes = _runs(unit.writes)
+            writes = coalesced(unit.writes)  # one frame per run
             for i, w in enumerate(writes):
                 src, dst = self._views.get(w.src), remote.get(w.dst)
                 if src is None or dst is None:

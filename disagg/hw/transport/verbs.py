@@ -45,7 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from disagg.errors import TransportError
-from disagg.hw.transport.base import Completion, Descriptor, Polled, Transport, Unit
+from disagg.hw.transport.base import Completion, Descriptor, Polled, Transport, Unit, coalesced
 
 ENV_DEVICE = "DISAGG_VERBS_DEVICE"
 ENV_GID_INDEX = "DISAGG_VERBS_GID_INDEX"
@@ -592,7 +592,7 @@ class VerbsTransport(Transport):
     # --- writes ----------------------------------------------------------------------------
     def _plan(self, p: _Peer, unit: Unit) -> list[_WR]:
         wrs: list[_WR] = []
-        for w in unit.writes:
+        for w in coalesced(unit.writes):  # contiguous pages: one work request per run
             src, dst = self._regions.get(w.src), p.remote.get(w.dst)
             if src is None:
                 raise TransportError(
