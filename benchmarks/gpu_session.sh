@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on a lent H200 machine: install the carried wheels, build FlashInfer's kernels
-# once, run the GPU tests, the kernel/wire benchmark and the TTFT benchmark.
+# once, run the kernel/wire benchmark, the TTFT benchmark, then the GPU tests.
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_TTFT=1 leave a part out; DISAGG_REPEATS=N requests per length.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -13,14 +13,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 tools/flashinfer_prebuild.py --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee "$OUT/prebuild.log"
-[ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py -k "gpu or flashinfer" \
-  2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \
   --decode-device "$D" --spacing-s 3 --out "$RUNS/ttft" 2>&1 | tail -60 | tee "$OUT/ttft.log"
 cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
+[ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py -k "gpu or flashinfer" \
+  2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 tar -czf "$OUT/runs.tgz" -C "$RUNS" . 2>/dev/null
 true

@@ -18,7 +18,7 @@ from disagg.errors import ConfigError
 from disagg.hw.batch import Seq
 from disagg.hw.cache import KVCache
 from disagg.hw.device import resolve_device
-from disagg.hw.model import Transformer, apply_rope, rms_norm
+from disagg.hw.model import Transformer, apply_rope, rms_norm, rope_tables, rotate
 from disagg.hw.specs import tiny_gqa, tiny_mla
 from disagg.models import LLAMA_31_8B
 
@@ -141,3 +141,14 @@ def test_asking_for_a_gpu_without_one_is_a_clear_error() -> None:
 def test_a_page_pool_larger_than_the_gpu_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="GiB free"):
         KVCache.allocate(LLAMA_31_8B, 10**7, 16, torch.device("cuda"), torch.bfloat16)
+
+
+def test_three_kernel_rope_equals_the_rotate_half_formula() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, generator=g)
+    pos, inv_freq = torch.tensor([0, 1, 7, 100, 4095]), 500000.0 ** (-torch.arange(8) / 8)
+    freqs = pos[:, None].float() * inv_freq[None]
+    want = apply_rope(x, freqs.cos()[:, None], freqs.sin()[:, None])
+    got = rotate(x, *rope_tables(pos, inv_freq, torch.float32))
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got[1:], x[1:])  # it did rotate
