@@ -8,6 +8,7 @@ Llama-3.1-8B at full depth (FLOP/s vs the GEMM ceiling, target >= 70%); a CUDA-g
 step at batch 128 x 4096 context (weights + KV bytes/s vs copy bandwidth, target >= 75%); the
 cuda wire moving one request's KV pages between two processes (GB/s vs a plain device copy of
 the same bytes, target >= 90%). Writes bench.json and bench.md into --out.
+DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU.
 `--compile KIND` only builds FlashInfer's kernels for KIND (prefill, decode, mla) and exits;
 `--smoke` runs the same code on the CPU with toy sizes (no FlashInfer, no cuda wire).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -344,7 +346,7 @@ def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _transfer_one(
-    dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int
+    dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int, by_address: bool
 ) -> dict[str, Any]:
     from disagg.hw.transport.base import Unit, WriteArray
     from disagg.hw.transport.cuda import CudaTransport
@@ -352,7 +354,7 @@ def _transfer_one(
 
     pool, nbytes = 2 * pages, pages * pb * layers
     recv = ReceiverProcess("cuda", [pool * pb] * layers, str(dev_d), "decode")
-    wire = CudaTransport(endpoint="prefill")
+    wire = CudaTransport(endpoint="prefill", by_address=by_address)
     try:
         src = [
             torch.randint(0, 256, (pool * pb,), dtype=torch.uint8, device=dev_p)
@@ -432,7 +434,11 @@ def transfer(
     torch.cuda.empty_cache()
     spec, ps = sizes.spec, sizes.page_size
     pb = spec.kv_bytes_per_token_per_layer() * ps
-    runs = [_transfer_one(dev_p, dev_d, spec.layers, pb, n // ps) for n in sizes.transfer_tokens]
+    by_address = bool(os.environ.get("DISAGG_WIRE_BY_ADDRESS"))  # driver copies on one GPU too
+    runs = [
+        _transfer_one(dev_p, dev_d, spec.layers, pb, n // ps, by_address)
+        for n in sizes.transfer_tokens
+    ]
     return {"page_bytes": pb, "layers": spec.layers, "runs": runs, "target": 0.90}
 
 

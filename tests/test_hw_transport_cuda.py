@@ -3,6 +3,7 @@ after the copies, a dead peer named in the failure. Run coalescing is tested wit
 
 from __future__ import annotations
 
+import base64
 import random
 import time
 
@@ -15,7 +16,7 @@ import torch
 from disagg.errors import TransportError
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
-from disagg.hw.transport.cuda import CudaTransport, as_arrays
+from disagg.hw.transport.cuda import CudaTransport, Mapped, as_arrays
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,8 +28,8 @@ def _peer_device() -> str:
     return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def _sender(r: ReceiverProcess, src: torch.Tensor) -> Transport:
-    wire = make_transport("cuda", endpoint="prefill0")
+def _sender(r: ReceiverProcess, src: torch.Tensor, by_address: bool = False) -> Transport:
+    wire = make_transport("cuda", endpoint="prefill0", by_address=by_address)
     wire.register("src", src)
     wire.connect("decode0", r.info, r.descs)
     return wire
@@ -76,6 +77,7 @@ def test_cuda_registration_carries_an_ipc_handle() -> None:
     wire = make_transport("cuda")
     d = wire.register("kv", torch.zeros(3, 5, dtype=torch.bfloat16, device="cuda"))
     assert (d.wire, d.nbytes) == ("cuda", 30) and d.info["ipc"]
+    assert len(base64.b64decode(d.info["cu_ipc"])) == 64 and d.info["cu_offset"] >= 0
     with pytest.raises(TransportError, match="CUDA tensors only"):
         wire.register("host", torch.zeros(4))
     wire.close()
@@ -86,7 +88,10 @@ def test_cuda_registration_carries_an_ipc_handle() -> None:
 
 @gpu
 @pytest.mark.gpu
-def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order() -> None:
+@pytest.mark.parametrize("by_address", [False, True], ids=["torch-mapped", "driver-mapped"])
+def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(by_address: bool) -> None:
+    """Both copy paths: torch's IPC mapping (peer on this GPU) and the driver's mapping in the
+    sender's context (peer on another GPU, or forced with by_address)."""
     r = ReceiverProcess("cuda", (ORDER, SCATTER), _peer_device(), "decode0")
     try:
         rng = random.Random(0)
@@ -95,7 +100,10 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order() -> None:
         slots = torch.tensor(list(b"".join(slot_bytes(k) for k in range(n))), dtype=torch.uint8)
         src[:ORDER] = slots.cuda()
         torch.cuda.synchronize()
-        wire = _sender(r, src)
+        wire = _sender(r, src, by_address)
+        two_gpus = torch.cuda.device_count() > 1  # then copies go by address, as peer copies
+        mapped = wire._remote["decode0"]["r1"]  # type: ignore[attr-defined]
+        assert isinstance(mapped, Mapped) == (two_gpus or by_address)
         # scatter: 400 disjoint 256-byte slots of r1, random sources and sizes, two units
         starts = sorted(rng.sample(range(0, SCATTER - 256, 256), 400))
         writes = [

@@ -11,6 +11,11 @@ and only then sends the immediate to the receiver over a TCP side channel, so th
 an immediate only once the bytes of that unit and every earlier one are in its memory. Batches
 complete when the receiver has acknowledged them; a dead receiver fails them with its name.
 
+A peer whose regions live on another GPU is mapped differently: torch would map them in a
+context of *that* GPU, and the driver stages copies into such a mapping through the host. The
+descriptor also carries a driver IPC handle (`cudadriver.export`), which the sender opens in its
+own GPU's context with peer access, and copies go out as cuMemcpyDtoDAsync (NVLink peer copies).
+
 The copies do not wait for other streams: post only bytes already written (the layer counter
 guarantees this for KV pages) or synchronise first.
 """
@@ -18,8 +23,10 @@ guarantees this for KV pages) or synchronise first.
 from __future__ import annotations
 
 import base64
+import contextlib
 import pickle
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +34,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from disagg.errors import TransportError
+from disagg.hw.transport import cudadriver
 from disagg.hw.transport._wire import IMM, Link, SocketWire, check_imm, frame
 from disagg.hw.transport.base import (
     Descriptor,
@@ -38,6 +46,17 @@ from disagg.hw.transport.base import (
 )
 
 Events = tuple[list[tuple[torch.cuda.Event, int]], torch.cuda.Event]
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A peer region on another GPU, mapped in this endpoint's context: copied by address."""
+
+    ptr: int
+    nbytes: int
+
+    def numel(self) -> int:
+        return self.nbytes
 
 
 def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
@@ -69,14 +88,25 @@ class CudaTransport(SocketWire):
 
     name = "cuda"
 
-    def __init__(self, endpoint: str = "", host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        endpoint: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        by_address: bool = False,
+    ) -> None:
+        """`by_address` maps every peer region through the driver, also on this GPU (tests use
+        it to run the two-GPU copy path on one GPU); by default only other GPUs' regions."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
+        self.by_address = by_address
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
-        self._remote: dict[str, dict[str, torch.Tensor]] = {}
+        self._remote: dict[str, dict[str, torch.Tensor | Mapped]] = {}
+        self._opened: dict[bytes, int] = {}  # driver IPC handle -> base address mapped here
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def register(self, region: str, buffer: Any) -> Descriptor:
@@ -95,16 +125,24 @@ class CudaTransport(SocketWire):
         flat = buffer.reshape(-1).view(torch.uint8)
         self._local[region] = flat
         _, args = reduce_tensor(flat)
-        ipc = base64.b64encode(pickle.dumps(args)).decode()
-        return Descriptor(
-            self.name, region, flat.numel(), {"ipc": ipc, "device": flat.device.index}
-        )
+        info = {"ipc": base64.b64encode(pickle.dumps(args)).decode(), "device": flat.device.index}
+        try:  # a handle for senders on other GPUs (not for torch's expandable segments)
+            with torch.cuda.device(flat.device):
+                handle, offset = cudadriver.export(flat.data_ptr())
+            info |= {"cu_ipc": base64.b64encode(handle).decode(), "cu_offset": offset}
+        except TransportError:
+            pass
+        return Descriptor(self.name, region, flat.numel(), info)
 
     def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
         self._check_new_peer(peer)
-        mapped = {}
+        mapped: dict[str, torch.Tensor | Mapped] = {}
         for d in regions:
             try:
+                other_gpu = self.device is not None and d.info["device"] != self.device.index
+                if (other_gpu or self.by_address) and "cu_ipc" in d.info:
+                    mapped[d.region] = self._map(d)
+                    continue
                 mapped[d.region] = rebuild_cuda_tensor(
                     *pickle.loads(base64.b64decode(d.info["ipc"]))
                 )
@@ -115,12 +153,22 @@ class CudaTransport(SocketWire):
         self._remote[peer] = mapped
         self._links[peer] = Link(self.name, peer, info, self.endpoint, _wait_and_notify, self._done)
 
+    def _map(self, d: Descriptor) -> Mapped:
+        """A region on another GPU, opened in this endpoint's context (each allocation once)."""
+        handle = base64.b64decode(d.info["cu_ipc"])
+        if handle not in self._opened:
+            with torch.cuda.device(self.device):
+                self._opened[handle] = cudadriver.open_handle(handle)
+        return Mapped(self._opened[handle] + int(d.info["cu_offset"]), d.nbytes)
+
     @property
     def stream(self) -> torch.cuda.Stream | None:
         """The stream the copies run on (None until a region is registered)."""
         return self._stream
 
-    def _resolve(self, peer: str, wa: WriteArray) -> tuple[torch.Tensor, torch.Tensor, Runs]:
+    def _resolve(
+        self, peer: str, wa: WriteArray
+    ) -> tuple[torch.Tensor, torch.Tensor | Mapped, Runs]:
         """The two regions and the coalesced runs of `wa`; TransportError if out of bounds."""
         src, dst = self._local.get(wa.src), self._remote[peer].get(wa.dst)
         if src is None or dst is None:
@@ -149,10 +197,16 @@ class CudaTransport(SocketWire):
         w, rows = self._rows[key]
         return [rows[o // row] if k == row else w[o // 8 : (o + k) // 8] for o, k in spans]
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
-        """Issue one group's copies on the current (wire) stream: one copy, or one batched copy."""
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor | Mapped, runs: Runs) -> None:
+        """Issue one group's copies on the current (wire) stream: one copy, or one batched copy
+        (another GPU's region: one driver copy per run)."""
         s, d, n = runs
-        if len(n) == 1:
+        if isinstance(dst, Mapped):
+            assert self._stream is not None
+            base, stream = src.data_ptr(), self._stream.cuda_stream
+            for so, do, k in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
+                cudadriver.copy_async(dst.ptr + do, base + so, k, stream)
+        elif len(n) == 1:
             dst[d[0] : d[0] + n[0]].copy_(src[s[0] : s[0] + n[0]], non_blocking=True)
         elif len(n):
             row = int(n.min())
@@ -192,3 +246,7 @@ class CudaTransport(SocketWire):
         super().close()
         self._remote.clear()
         self._rows.clear()
+        for ptr in self._opened.values():
+            with contextlib.suppress(TransportError):
+                cudadriver.close_handle(ptr)
+        self._opened.clear()
