@@ -2,25 +2,32 @@
 # One device call on a lent H200 machine: install the carried wheels, build FlashInfer's kernels
 # once, run the kernel/wire benchmark, the TTFT benchmark, then the GPU tests.
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
-# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_TTFT=1 leave a part out; DISAGG_REPEATS=N requests per length.
+# SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
+# decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
+# machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
 set -uo pipefail
 P=${1:-0}; D=${2:-0}; OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
-RUNS=$(mktemp -d)
+RUNS=$(mktemp -d); LOG="$OUT/session.log"
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 tools/flashinfer_prebuild.py --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee "$OUT/prebuild.log"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
+[ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
+  --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \
-  --decode-device "$D" --spacing-s 3 --out "$RUNS/ttft" 2>&1 | tail -60 | tee "$OUT/ttft.log"
+  --decode-device "$D" --spacing-s 3 --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"
 cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
+[ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
+  --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
+cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot.png "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py -k "gpu or flashinfer" \
-  2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
-tar -czf "$OUT/runs.tgz" -C "$RUNS" . 2>/dev/null
+  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py \
+  tests/test_hw_transport_cuda.py -k "gpu or flashinfer or cuda" 2>&1 | tail -25 | tee -a "$LOG"
+tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true

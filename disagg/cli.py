@@ -236,6 +236,13 @@ def _hw_missing() -> None:
 
 
 Wire = Annotated[str, typer.Option(help="KV wire: tcp, cuda (GPUs of one host) or verbs")]
+Attention = Annotated[
+    str,
+    typer.Option(
+        help="auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer, or flashinfer:KERNEL "
+        "with KERNEL the GQA decode kernel: fa2 (default), cuda-cores, fa3"
+    ),
+]
 
 
 @hw_app.command("run")
@@ -255,17 +262,26 @@ def hw_run(
         ),
     ] = None,
     bind: Annotated[str, typer.Option(help="Driver control socket")] = "tcp://127.0.0.1:*",
+    attention: Attention = "auto",
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
     on local devices, the workload replayed in real time; writes the same tables as sim run."""
     _hw_missing()
     from disagg.config import load_experiment
+    from disagg.hw.attention import parse_attention
     from disagg.hw.driver import HwOptions, run_hw
 
+    parse_attention(attention)
     exp = load_experiment(experiment, set_)
     out = out or Path("runs") / f"hw-{exp.name}"
     opts = HwOptions(
-        wire=wire, prefill_device=prefill_device, decode_device=decode_device, num_pages=pages
+        wire=wire,
+        prefill_device=prefill_device,
+        decode_device=decode_device,
+        num_pages=pages,
+        attention=attention,
+        external=tuple(external or ()),
+        bind=bind,
     )
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -306,19 +322,34 @@ def hw_serve(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
     pages: Annotated[int, typer.Option(help="KV pages")] = 512,
     bind: Annotated[str, typer.Option(help="Control socket to bind")] = "tcp://127.0.0.1:*",
+    attention: Attention = "auto",
 ) -> None:
     """Start one server for a multi-host run (see docs/hardware.md); it runs until the driver
     says stop."""
     _hw_missing()
     from disagg.config import load_experiment
+    from disagg.hw.attention import parse_attention
     from disagg.hw.node import NodeConfig, serve
 
     if role not in ("prefill", "decode", "colocated"):
         from disagg.errors import ConfigError
 
         raise ConfigError(f"--role {role!r}: use prefill, decode or colocated")
+    parse_attention(attention)
     exp = load_experiment(experiment, set_)
-    serve(NodeConfig(role, index, exp.model_dump(mode="json"), device, wire, pages, driver, bind))
+    serve(
+        NodeConfig(
+            role,
+            index,
+            exp.model_dump(mode="json"),
+            device,
+            wire,
+            pages,
+            driver,
+            bind,
+            attention=attention,
+        )
+    )
 
 
 @hw_app.command("profile")
@@ -328,15 +359,18 @@ def hw_profile(
     layers: Annotated[int | None, typer.Option(help="Cut the model to N layers")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cuda",
     out: Annotated[Path, typer.Option(help="CSV to write")] = Path("runs/profile.csv"),
+    attention: Attention = "auto",
 ) -> None:
     """Measure prefill and decode step times on the local device: a table the simulator's cost
     model loads with cost.source = "profile:FILE"."""
     _hw_missing()
+    from disagg.hw.attention import parse_attention
     from disagg.hw.profile import profile
     from disagg.models import get_model
 
+    parse_attention(attention)
     spec = get_model(model)
-    df = profile(spec, layers or spec.layers, device=device)
+    df = profile(spec, layers or spec.layers, device=device, attention=attention)
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
     console.print(f"wrote {len(df)} rows to {out}")

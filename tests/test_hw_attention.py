@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 from disagg.core.kvcache import pages_for
 from disagg.errors import ConfigError
-from disagg.hw.attention import AttnShape, TorchAttention, import_flashinfer, make_attention
+from disagg.hw.attention import (
+    AttnShape,
+    TorchAttention,
+    import_flashinfer,
+    make_attention,
+    parse_attention,
+)
 from disagg.hw.batch import BatchMeta, Seq
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -115,6 +121,18 @@ def test_a_sequence_without_enough_pages_is_rejected() -> None:
 def test_flashinfer_needs_cuda() -> None:
     with pytest.raises(ConfigError, match="CUDA"):
         make_attention("flashinfer", GPU_SHAPES["HND"], torch.device("cpu"))
+    with pytest.raises(ConfigError, match="CUDA"):
+        make_attention("flashinfer:cuda-cores", GPU_SHAPES["HND"], torch.device("cpu"))
+
+
+def test_attention_choice_names_the_decode_kernel_or_the_choices() -> None:
+    assert parse_attention("flashinfer:cuda-cores") == ("flashinfer", "cuda-cores")
+    assert parse_attention("auto") == ("auto", None)
+    cpu = make_attention("auto", GPU_SHAPES["HND"], torch.device("cpu"))
+    assert isinstance(cpu, TorchAttention)
+    for bad in ("flashinfer:fa9", "flash", "torch:fa2"):
+        with pytest.raises(ConfigError, match=r"unknown attention .* flashinfer:fa2"):
+            parse_attention(bad)
 
 
 def test_missing_flashinfer_says_how_to_install() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytest.importorskip("torch")
@@ -238,3 +239,62 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     data["cluster"]["decode"]["tp"] = 2
     with pytest.raises(ConfigError, match=r"cluster\.decode has nodes=1 tp=2 dp=1"):
         run_hw(build_experiment(data), HwOptions(), tmp_path / "y")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cli_hw_run_waits_for_an_external_server_on_its_bound_socket(tmp_path: Path) -> None:
+    """`disagg hw run --external decode0 --bind ...` and `disagg hw serve --driver ...`, both
+    from the command line: how a two-host run starts (here two processes on one machine)."""
+    import subprocess
+    import sys
+
+    toml = tmp_path / "e.toml"
+    toml.write_text(
+        'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
+        "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
+        "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
+        "[workload]\nrate_per_s = 50\nnum_requests = 4\n"
+        'prompt_tokens = {dist = "uniform", low = 6, high = 30}\n'
+        'output_tokens = {dist = "uniform", low = 3, high = 7}\n'
+    )
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    cli = [sys.executable, "-m", "disagg.cli", "hw"]
+    common = [str(toml), "--pages", "128", "--attention", "torch"]
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [*cli, "run", *common, "--external", "decode0", "--bind", endpoint, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = subprocess.Popen([*cli, "serve", *common, "--role", "decode", "--driver", endpoint])
+    try:
+        text, _ = driver.communicate(timeout=120)
+        assert server.wait(30) == 0
+    finally:
+        for p in (driver, server):
+            p.kill()
+    assert driver.returncode == 0, text
+    req = pd.read_parquet(out / "requests.parquet")
+    assert len(req) == 4 and (req.status == "finished").all()
+
+
+def test_cli_hw_run_rejects_an_unknown_attention_kernel() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "disagg.cli", "hw", "run", "--attention", "flashinfer:fa9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "unknown attention 'flashinfer:fa9'" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr

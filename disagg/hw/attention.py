@@ -41,13 +41,25 @@ DECODE_BACKEND = "fa2"
 DECODE_BACKENDS = ("cuda-cores", "fa2", "fa3")
 
 
-def _decode_kernel() -> dict[str, Any]:
-    """Keyword arguments that select DECODE_BACKEND in a FlashInfer decode wrapper."""
-    if DECODE_BACKEND not in DECODE_BACKENDS:
-        raise ConfigError(f"unknown decode backend {DECODE_BACKEND!r}: one of {DECODE_BACKENDS}")
-    if DECODE_BACKEND == "cuda-cores":
+ATTENTION_CHOICES = ("auto", "torch", "flashinfer", *(f"flashinfer:{k}" for k in DECODE_BACKENDS))
+
+
+def parse_attention(kind: str) -> tuple[str, str | None]:
+    """("auto" | "torch" | "flashinfer", decode kernel or None) from an attention choice such
+    as "flashinfer:cuda-cores"; ConfigError naming the choices for anything else."""
+    if kind not in ATTENTION_CHOICES:
+        raise ConfigError(f"unknown attention {kind!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+    backend, _, kernel = kind.partition(":")
+    return backend, kernel or None
+
+
+def _decode_kernel(kernel: str) -> dict[str, Any]:
+    """Keyword arguments that select `kernel` in a FlashInfer decode wrapper."""
+    if kernel not in DECODE_BACKENDS:
+        raise ConfigError(f"unknown decode kernel {kernel!r}: one of {DECODE_BACKENDS}")
+    if kernel == "cuda-cores":
         return {}
-    return {"use_tensor_cores": True, "backend": DECODE_BACKEND}
+    return {"use_tensor_cores": True, "backend": kernel}
 
 
 def import_flashinfer() -> ModuleType:
@@ -193,8 +205,10 @@ class FlashInferAttention(Attention):
         max_pages: int = 0,
         workspace: torch.Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        decode_kernel: str | None = None,
     ) -> None:
         super().__init__(shape)
+        self.decode_kernel = decode_kernel or DECODE_BACKEND  # GQA decode steps only
         self._fi = import_flashinfer()
         self.device = device
         self.dtype = dtype
@@ -218,7 +232,7 @@ class FlashInferAttention(Attention):
                 self.workspace, shape.layout
             )
             self._decode = wrappers.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, shape.layout, **_decode_kernel()
+                self.workspace, shape.layout, **_decode_kernel(self.decode_kernel)
             )
 
     def _buf(self, n: int) -> torch.Tensor:
@@ -230,7 +244,7 @@ class FlashInferAttention(Attention):
             self.workspace,
             self.shape.layout,
             use_cuda_graph=True,
-            **_decode_kernel(),
+            **_decode_kernel(self.decode_kernel),
             paged_kv_indptr_buffer=self._buf(b + 1),
             paged_kv_indices_buffer=self._buf(max_pages),
             paged_kv_last_page_len_buffer=self._buf(b),
@@ -319,16 +333,16 @@ class FlashInferAttention(Attention):
 def make_attention(
     kind: str, shape: AttnShape, device: torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> Attention:
-    """ "torch" (reference), "flashinfer" (CUDA only) or "auto" (flashinfer on CUDA, else torch).
+    """ "torch" (reference), "flashinfer" (CUDA only) or "auto" (flashinfer on CUDA, else torch);
+    "flashinfer:KERNEL" also names the GQA decode kernel (default DECODE_BACKEND).
 
     `dtype` is the q and KV dtype FlashInfer plans for (the reference takes any).
     """
-    if kind == "auto":
-        kind = "flashinfer" if device.type == "cuda" else "torch"
-    if kind == "torch":
+    backend, kernel = parse_attention(kind)
+    if backend == "auto":
+        backend = "flashinfer" if device.type == "cuda" else "torch"
+    if backend == "torch":
         return TorchAttention(shape)
-    if kind == "flashinfer":
-        if device.type != "cuda":
-            raise ConfigError(f"FlashInfer attention needs a CUDA device, got {device}")
-        return FlashInferAttention(shape, device, dtype=dtype)
-    raise ConfigError(f"unknown attention backend {kind!r}: use auto, torch or flashinfer")
+    if device.type != "cuda":
+        raise ConfigError(f"FlashInfer attention needs a CUDA device, got {device}")
+    return FlashInferAttention(shape, device, dtype=dtype, decode_kernel=kernel)

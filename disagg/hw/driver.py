@@ -31,6 +31,7 @@ from disagg.core.metrics import (
 from disagg.core.request import Request, Status
 from disagg.core.workload import generate
 from disagg.errors import ConfigError, TransportError
+from disagg.hw.attention import parse_attention
 from disagg.hw.control import Control
 from disagg.hw.node import (
     Finished,
@@ -110,6 +111,7 @@ def check_hw_experiment(exp: Experiment) -> None:
 class Driver:
     def __init__(self, exp: Experiment, opts: HwOptions) -> None:
         check_hw_experiment(exp)
+        parse_attention(opts.attention)  # a bad choice fails here, not in every server
         self.exp, self.opts = exp, opts
         self.control = Control("driver", opts.bind, dead_after_s=30.0)
         self.configs = node_configs(exp, opts, self.control.endpoint)
@@ -185,7 +187,8 @@ class Driver:
                     decode_node=0,
                 )
                 self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
-            self._receive(0.001 if pending else 0.05)
+            # wake for the next arrival on time (recv sleeps below a millisecond)
+            self._receive(min(0.001, max(0.0, pending[0][0].arrival_s - now)) if pending else 0.05)
             self.control.heartbeat()  # servers stop when the driver falls silent
             if progress:
                 progress(len(state.finished), len(arrivals))

@@ -131,6 +131,7 @@ class _DecodeGraph:
             dtype=runner.model.dtype,
             max_pages=cache.num_pages + batch,
             workspace=runner.workspace,
+            decode_kernel=getattr(runner.attn, "decode_kernel", None),
         )
         rows = [self.pad] * batch
         self.attn.plan(BatchMeta.of(rows, cache.page_size, cache.num_pages))
@@ -162,7 +163,8 @@ class _DecodeGraph:
 class Runner:
     """Forward steps of `model` over `cache`, counting layers in `counter`.
 
-    attention: "auto" (FlashInfer on CUDA, the torch reference on CPU), "torch" or "flashinfer".
+    attention: "auto" (FlashInfer on CUDA, the torch reference on CPU), "torch", "flashinfer"
+    or "flashinfer:KERNEL" (the GQA decode kernel: fa2, cuda-cores, fa3; see attention.py).
     Pure decode steps of at most max(graph_batches) sequences replay a CUDA graph captured for
     the next larger size in `graph_batches` (CUDA + FlashInfer only; eager elsewhere).
     """

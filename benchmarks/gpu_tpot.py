@@ -1,0 +1,119 @@
+"""Decode TPOT under a steady stream of prefills: disaggregated vs colocated, on real devices.
+
+    python benchmarks/gpu_tpot.py --prefill-device 0 --decode-device 1 --out DIR
+    python benchmarks/gpu_tpot.py --prefill-device cpu --decode-device cpu --wire tcp \
+        --model tiny-gqa --loads 4,8 --duration-s 3 --prompt 96 --output 24   # dry run, no GPU
+
+The article's claim: a decoder that never runs a prefill decodes at a steady pace, while a
+colocated server's decode steps stall whenever a prefill chunk joins them. Poisson arrivals at
+each load (requests/s), prompts and outputs of fixed length, the same seed for both modes:
+colocated runs on the decode device with chunked prefill (token budget --chunk), disaggregated
+runs the prefill on the prefill device and decodes on the decode device. Per run: TPOT and
+inter-token latency percentiles (`disagg sim` summary fields), and a figure of every decode
+pass over time (colocated: the passes that carried prefill tokens stand out), one panel per run.
+Meant for two GPUs (`nvidia-h200-x2`); on one GPU the two processes would share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from disagg.config import build_experiment
+from disagg.core.metrics import read_results
+from disagg.hw.driver import HwOptions, run_hw
+
+FIELDS = ["completed", "tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]
+
+
+def device(arg: str) -> str:
+    return arg if arg.startswith(("cpu", "cuda")) else f"cuda:{arg}"
+
+
+def experiment(args: argparse.Namespace, mode: str, load: float) -> dict:
+    colocated = {"nodes": 1, "tp": 1, "token_budget": args.chunk, "max_batch": args.max_batch}
+    return {
+        "name": f"{mode}-{load:g}rps",
+        "seed": 0,
+        "model": {"name": args.model, "weight_dtype": "bf16"},
+        "cluster": {
+            "mode": mode,
+            "colocated": colocated,
+            "prefill": {"nodes": 1, "tp": 1, "token_budget": args.prompt, "max_batch": 8},
+            "decode": {"nodes": 1, "tp": 1, "max_batch": args.max_batch},
+        },
+        "kv": {"page_size": 16, "layout": "HND"},
+        "workload": {
+            "rate_per_s": load,
+            "duration_s": args.duration_s,
+            "prompt_tokens": {"dist": "fixed", "value": args.prompt},
+            "output_tokens": {"dist": "fixed", "value": args.output},
+        },
+    }
+
+
+def pass_timeline(ax: plt.Axes, steps: pd.DataFrame, title: str) -> None:
+    """Every pass of the decoding node over time; passes that carried prefill tokens in red."""
+    node = steps[steps.node.str.startswith(("decode", "colocated"))]
+    plain, mixed = node[node.prefill_tokens == 0], node[node.prefill_tokens > 0]
+    ax.scatter(plain.start_s, plain.duration_s * 1e3, s=3, label="decode only")
+    ax.scatter(mixed.start_s, mixed.duration_s * 1e3, s=6, c="tab:red", label="with prefill")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel("pass (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, markerscale=3, loc="upper right")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill-device", default="0")
+    ap.add_argument("--decode-device", default="1")
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--wire", default="cuda")
+    ap.add_argument("--pages", type=int, default=8192)
+    ap.add_argument("--loads", default="2,6", help="requests/s, comma-separated")
+    ap.add_argument("--duration-s", type=float, default=40.0)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=2048, help="colocated prefill token budget")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("runs/gpu_tpot"))
+    args = ap.parse_args()
+    pdev, ddev = device(args.prefill_device), device(args.decode_device)
+    loads = [float(x) for x in args.loads.split(",")]
+    rows, runs = [], []
+    for load in loads:
+        for mode in ("colocated", "disagg"):
+            t = time.perf_counter()
+            exp = build_experiment(experiment(args, mode, load))
+            opts = HwOptions(
+                wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
+            )
+            summary, _ = run_hw(exp, opts, args.out / exp.name)
+            rows.append({"load (req/s)": load, "mode": mode, **{f: summary[f] for f in FIELDS}})
+            runs.append(exp.name)
+            print(f"{exp.name}: {summary['completed']} requests, {time.perf_counter() - t:.0f} s")
+    table = pd.DataFrame(rows)
+    for f in FIELDS[1:]:
+        table[f.replace("_s_", " (ms) ")] = (1e3 * table.pop(f)).round(2)
+    md = table.to_markdown(index=False)
+    (args.out / "gpu_tpot.md").write_text(md + "\n")
+    print(md)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), sharex=True)
+    for ax, name in zip(axes, runs, strict=True):
+        pass_timeline(ax, read_results(args.out / name)[1], name)
+    axes[-1].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(args.out / "gpu_tpot.png", dpi=110)
+    print(f"wrote {args.out / 'gpu_tpot.png'}")
+
+
+if __name__ == "__main__":
+    main()
