@@ -34,6 +34,7 @@ import torch
 
 from disagg.core.kvcache import pages_for
 from disagg.hw import attention
+from disagg.hw import model as model_mod
 from disagg.hw.attention import AttnShape, TorchAttention, make_attention
 from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.device import resolve_device, time_it
@@ -205,10 +206,13 @@ def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str,
     seq = Seq.of(tokens.tolist(), 0, range(cache.num_pages))
     t = statistics.median(time_it(partial(runner.step, [seq]), dev, warmup=2, repeats=5))
     flops = prefill_flops(spec, n)
-    gemm_s = linear_floor(dev, spec, n)
     ceiling = state.get("gemm", {}).get("tflops", float("nan"))
+    fused = _with_fused_ops(dev, lambda: _prefill_fused(runner, seq, dev, flops, ceiling))
+    gemm_s = linear_floor(dev, spec, n)
     tflops = flops / t / 1e12
     return {
+        "fused_ops_default": model_mod.FUSED_OPS,
+        **fused,
         "model": spec.name,
         "layers": spec.layers,
         "tokens": n,
@@ -220,6 +224,35 @@ def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str,
         "target": 0.70,
         "layer_gemms_alone_s": gemm_s,
         "weights_build_s": build_s,
+    }
+
+
+def _with_fused_ops(dev: torch.device, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """fn() with model.FUSED_OPS flipped (CUDA only), its error recorded instead of raised."""
+    if dev.type != "cuda":
+        return {}
+    default = model_mod.FUSED_OPS
+    model_mod.FUSED_OPS = not default
+    try:
+        return fn()
+    except Exception as e:  # the other setting's figures still stand
+        return {"other_ops_error": f"{type(e).__name__}: {e}"}
+    finally:
+        model_mod.FUSED_OPS = default
+
+
+def _prefill_fused(
+    runner: Runner, seq: Seq, dev: torch.device, flops: int, ceiling: float
+) -> dict[str, Any]:
+    """The same prefill with the other elementwise ops; same token chosen?"""
+    t = statistics.median(time_it(partial(runner.step, [seq]), dev, warmup=2, repeats=5))
+    mine = runner.step([seq], sample=True).tokens
+    model_mod.FUSED_OPS = not model_mod.FUSED_OPS
+    theirs = runner.step([seq], sample=True).tokens
+    return {
+        "other_ops_median_s": t,
+        "other_ops_fraction_of_ceiling": flops / t / 1e12 / ceiling,
+        "other_ops_same_token": mine == theirs,
     }
 
 
@@ -267,6 +300,13 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
             variants[kernel] = {"error": f"{type(e).__name__}: {e}"}
         finally:
             attention.DECODE_BACKEND = default
+    other = _with_fused_ops(dev, partial(_decode_step, model, cache, seqs, dev))
+    if "median_s" in other:
+        name = f"{default}+{'torch' if model_mod.FUSED_OPS else 'fused'} ops"
+        variants[name] = other | {
+            "gbps": (weights + kv) / other["median_s"] / 1e9,
+            "fraction_of_copy": (weights + kv) / other["median_s"] / 1e9 / copy_bw,
+        }
     eager = Runner(model, cache, graph_batches=())
     t_eager = statistics.median(time_it(partial(eager.step, seqs), dev, warmup=2, repeats=5))
     del cache, eager
@@ -287,6 +327,16 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
         "attention_by_page_size_s": _attention_pages(spec, b, ctx, dev),
         "eager_step_s": t_eager,
     }
+
+
+def _decode_step(
+    model: Transformer, cache: Any, seqs: list[Seq], dev: torch.device
+) -> dict[str, Any]:
+    """Median seconds of the CUDA-graph decode step (graphs captured afresh)."""
+    runner = Runner(model, cache, graph_batches=(len(seqs),))
+    runner.capture()
+    t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
+    return {"median_s": t, "graph": bool(runner._graphs), "graph_error": runner.graph_error}
 
 
 def _attention_alone(shape: AttnShape, seqs: list[Seq], layer: torch.Tensor) -> float:
@@ -462,6 +512,19 @@ def headline(r: dict[str, Any]) -> list[str]:
                 f"{p['tflops']:.0f} TFLOP/s ({p['median_s'] * 1e3:.1f} ms)",
                 f"bf16 GEMM {p['gemm_ceiling_tflops']:.0f} TFLOP/s",
                 p["fraction_of_ceiling"],
+                p["target"],
+            )
+        )
+    if "other_ops_median_s" in p:
+        ops = "torch" if p["fused_ops_default"] else "fused"
+        rows.append(
+            _row(
+                f"prefill {p['tokens']} tok, {ops} elementwise ops "
+                f"(same token: {p['other_ops_same_token']})",
+                f"{p['flops'] / p['other_ops_median_s'] / 1e12:.0f} TFLOP/s "
+                f"({p['other_ops_median_s'] * 1e3:.1f} ms)",
+                f"bf16 GEMM {p['gemm_ceiling_tflops']:.0f} TFLOP/s",
+                p["other_ops_fraction_of_ceiling"],
                 p["target"],
             )
         )

@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
-  --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
+  --models "${PREBUILD:-llama-3.1-8b,deepseek-v3,llama-3.1-8b@fused}" 2>&1 | tail -20 | tee -a "$LOG"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
@@ -27,7 +27,7 @@ cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot.png "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py \
+  tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py -k "gpu or flashinfer or cuda" 2>&1 | tail -25 | tee -a "$LOG"
 tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true

@@ -1,6 +1,6 @@
 """Build the FlashInfer kernels a run needs once, before several processes load them.
 
-    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3,llama-3.1-8b@fa2]
+    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3,llama-3.1-8b@fused]
 
 FlashInfer 0.6.0 JIT-compiles each kernel module on first use with ninja in one shared build
 directory; two processes building at once (a prefill and a decode server starting together)
@@ -25,15 +25,22 @@ from pathlib import Path
 
 def warm(model: str, page_size: int) -> None:
     """Child: one prefill and one graph decode pass of a one-layer `model` (builds its kernels).
-    `model@kernel` builds with that decode kernel (attention.DECODE_BACKEND)."""
+    `model@a+b` runs only the decode pass, with each of a, b: a decode kernel
+    (attention.DECODE_BACKEND) or `fused` (model.FUSED_OPS: FlashInfer's norm, activation and
+    RoPE kernels)."""
     from disagg.hw import attention
+    from disagg.hw import model as model_mod
     from disagg.hw.batch import Seq
     from disagg.hw.model import Transformer
     from disagg.hw.runner import Runner
     from disagg.models import get_model
 
     model, _, kernel = model.partition("@")
-    attention.DECODE_BACKEND = kernel or attention.DECODE_BACKEND
+    for part in kernel.split("+") if kernel else ():
+        if part == "fused":
+            model_mod.FUSED_OPS = True
+        else:
+            attention.DECODE_BACKEND = part
     spec = get_model(model).with_layers(1)
     net = Transformer(spec, device="cuda")
     for layout in ("HND", "NHD"):
@@ -52,7 +59,8 @@ def main() -> None:
     ap.add_argument(
         "--models",
         default="llama-3.1-8b,deepseek-v3",
-        help="comma-separated; MODEL@KERNEL also builds that GQA decode kernel (fa2, fa3)",
+        help="comma-separated; MODEL@KERNEL also builds that GQA decode kernel (fa2, cuda-cores, "
+        "fa3), MODEL@fused FlashInfer's fused norm, activation and RoPE kernels",
     )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--warm", help=argparse.SUPPRESS)

@@ -37,6 +37,11 @@ from disagg.models import ModelSpec
 ROPE_THETA = 500_000.0
 NORM_EPS = 1e-6
 CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
+# FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of torch's elementwise
+# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). Off until measured on a GPU:
+# benchmarks/gpu_bench.py times the prefill and decode steps both ways and checks the logits;
+# DISAGG_FUSED_OPS=1 turns it on in every process (servers inherit the environment).
+FUSED_OPS = os.environ.get("DISAGG_FUSED_OPS") == "1"
 
 
 @dataclass
@@ -95,10 +100,50 @@ def rope_tables(
     return full[0][:, None].to(dtype), full[1][:, None].to(dtype)
 
 
+Tables = tuple[torch.Tensor, torch.Tensor]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rope` in three kernels instead of seven: x*cos + [x2, x1]*sin, with the tables of
     `rope_tables` (a decode step runs this twice per layer; launches are what it costs)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
+class TorchOps:
+    """The elementwise steps of a layer in plain torch (any device)."""
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tables: Tables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate(q, *tables), rotate(k, *tables)
+
+
+class FusedOps(TorchOps):
+    """The same steps as FlashInfer's fused kernels (CUDA): one pass each."""
+
+    def __init__(self) -> None:
+        from disagg.hw.attention import import_flashinfer
+
+        self.fi = import_flashinfer()
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.fi.norm.rmsnorm(x, weight, NORM_EPS)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fi.activation.silu_and_mul(gate_up)
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tables: Tables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fi.rope.apply_rope_pos_ids_inplace(q, k, positions, rope_theta=ROPE_THETA)
+        return q, k
 
 
 def write_kv(
@@ -219,33 +264,42 @@ class Transformer:
 
         `on_layer` is called after each layer's attention output projection.
         """
+        ops = self.ops()
         h = self.embed[x.input_ids]
         cos, sin = rope_tables(x.positions, self.inv_freq, self.dtype)
         for i, layer in enumerate(self.layers):
-            a = rms_norm(h, layer["ln1"])
+            a = ops.norm(h, layer["ln1"])
             o = (
                 self._mla(layer, a, cos, sin, x, cache, i, attn)
                 if self.mla
-                else self._gqa(layer, a, cos, sin, x, cache, i, attn)
+                else self._gqa(layer, a, (cos, sin), x, cache, i, attn, ops)
             )
             h = torch.addmm(h, o, layer["wo"].t())  # residual add in the GEMM's epilogue
             if on_layer is not None:
                 on_layer()
-            gate, up = F.linear(rms_norm(h, layer["ln2"]), layer["w_gate_up"]).chunk(2, dim=-1)
-            h = torch.addmm(h, F.silu(gate) * up, layer["w_down"].t())
-        last = rms_norm(h[x.last_rows], self.final_norm)
+            gate_up = F.linear(ops.norm(h, layer["ln2"]), layer["w_gate_up"])
+            h = torch.addmm(h, ops.silu_mul(gate_up), layer["w_down"].t())
+        last = ops.norm(h[x.last_rows], self.final_norm)
         return ForwardOut(F.linear(last, self.lm_head).float(), h[x.hidden_rows])
+
+    def ops(self) -> TorchOps:
+        """FusedOps when FUSED_OPS is on and the model is on CUDA, else TorchOps."""
+        if not (FUSED_OPS and self.device.type == "cuda"):
+            return TorchOps()
+        if not hasattr(self, "_fused"):
+            self._fused = FusedOps()
+        return self._fused
 
     def _gqa(
         self,
         layer: dict[str, torch.Tensor],
         a: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        tables: Tables,
         x: StepTensors,
         cache: KVCache,
         i: int,
         attn: Attention,
+        ops: TorchOps,
     ) -> torch.Tensor:
         s, t = self.spec, a.shape[0]
         q, k, v = (
@@ -253,7 +307,7 @@ class Transformer:
             .view(t, -1, s.head_dim)
             .split([s.heads, s.kv_heads, s.kv_heads], dim=1)
         )
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = ops.rope(q, k, x.positions, tables)
         write_kv(cache.layers[i], x, cache.layout.layout, k, v)
         return attn.run(cache.layers[i], q).reshape(t, -1)
 
