@@ -38,8 +38,9 @@ ROPE_THETA = 500_000.0
 NORM_EPS = 1e-6
 CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
 # FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of torch's elementwise
-# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). Off until measured on a GPU:
-# benchmarks/gpu_bench.py times the prefill and decode steps both ways and checks the logits;
+# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). Alone they measured 3.6x (SiLU-mul)
+# and 7.6x (RoPE) faster at 8k tokens on an H200 (benchmarks/results/gpu_2026-11-29b.md); off
+# until a whole step is measured: benchmarks/gpu_bench.py times prefill and decode both ways.
 # DISAGG_FUSED_OPS=1 turns it on in every process (servers inherit the environment).
 FUSED_OPS = os.environ.get("DISAGG_FUSED_OPS") == "1"
 
