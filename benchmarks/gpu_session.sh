@@ -5,13 +5,16 @@
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
 # decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
 # machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py.
+# Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
+# `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
 set -uo pipefail
 P=${1:-0}; D=${2:-0}; OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 RUNS=$(mktemp -d); LOG="$OUT/session.log"
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+# a warm machine keeps /tmp/site, with the kernels prebuilt into FlashInfer's package: keep it
+[ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
