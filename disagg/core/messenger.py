@@ -25,6 +25,7 @@ Protocol (DESIGN.md):
 
 from __future__ import annotations
 
+import collections
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -177,7 +178,9 @@ class DecodeMessenger:
         self.waiting: deque[tuple[Request, int]] = deque()
         self.inbound: dict[int, _Inbound] = {}  # by slot
         self._slot_of: dict[int, int] = {}  # req_id -> slot
-        self._free_slots: list[int] = []
+        # freed slots are reused oldest first: a slot's metadata row stays untouched for as long
+        # as possible after its request is ready (the decoder may still be reading it)
+        self._free_slots: collections.deque[int] = collections.deque()
         self._next_slot = 0
         self.stale_immediates = 0
 
@@ -220,7 +223,7 @@ class DecodeMessenger:
 
     def _take_slot(self) -> int:
         if self._free_slots:
-            return self._free_slots.pop()
+            return self._free_slots.popleft()
         self._next_slot += 1
         return self._next_slot - 1
 

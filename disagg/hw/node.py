@@ -482,7 +482,7 @@ class GeneratingServer(Server):
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         self.outputs: dict[int, list[int]] = {}
-        self.meta_sums: dict[int, float] = {}
+        self.meta_sums: dict[int, float | torch.Tensor] = {}  # device sums: read at finish
         self.first_logits: dict[int, torch.Tensor] = {}
 
     def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
@@ -494,7 +494,7 @@ class GeneratingServer(Server):
             logits,
             self.first_logits.pop(req.id, None),
             self.cfg.return_logits,
-            self.meta_sums.pop(req.id, math.nan),
+            float(self.meta_sums.pop(req.id, math.nan)),
         )
         self.control.send("driver", msg)
 
@@ -546,7 +546,8 @@ class DecodeServer(GeneratingServer):
                 req = self.requests[cmd.req_id]
                 req.ready_s = self.now()
                 if cmd.req_id in self.slots:
-                    self.meta_sums[req.id] = float(self.meta[self.slots.pop(req.id)].sum())
+                    # summed on the device, no sync: the first pass should not wait for it
+                    self.meta_sums[req.id] = self.meta[self.slots.pop(req.id)].sum()
                 self.scheduler.add_ready(req)
             elif isinstance(cmd, m.Failed):
                 self.finish(self.requests[cmd.req_id])
