@@ -35,7 +35,7 @@ import torch
 from disagg.core.kvcache import pages_for
 from disagg.hw import attention
 from disagg.hw import model as model_mod
-from disagg.hw.attention import AttnShape, TorchAttention, make_attention
+from disagg.hw.attention import AttnShape, TorchAttention, make_attention, random_problem
 from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.device import resolve_device, time_it
 from disagg.hw.model import Transformer
@@ -71,41 +71,12 @@ SMOKE = Sizes(tiny_gqa(layers=4), 256, 1 << 22, 64, 4, 32, ())
 
 
 # ---- correctness ---------------------------------------------------------------------------
-Problem = tuple[list[Seq], torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-def _problem(
-    shape: AttnShape, lens: list[tuple[int, int]], dev: torch.device, seed: int
-) -> Problem:
-    """Sequences on shuffled pages, random bf16 pages (garbage past each sequence), q, q_pe."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [pages_for(c + n, shape.page_size) for c, n in lens]
-    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    seqs, at = [], 0
-    for (c, n), k in zip(lens, need, strict=True):
-        seqs.append(Seq.of([1] * n, c, perm[at : at + k]))
-        at += k
-    if shape.mla:
-        dims: tuple[int, ...] = (shape.page_size, shape.head_dim + shape.rope_dim)
-    elif shape.layout == "HND":
-        dims = (2, shape.kv_heads, shape.page_size, shape.head_dim)
-    else:
-        dims = (2, shape.page_size, shape.kv_heads, shape.head_dim)
-    t = sum(n for _, n in lens)
-
-    def bf(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dev, torch.bfloat16)
-
-    cache = bf(torch.randn((len(perm), *dims), generator=gen))
-    q = bf(torch.randn(t, shape.heads, shape.head_dim, generator=gen))
-    q_pe = bf(torch.randn(t, shape.heads, shape.rope_dim, generator=gen)) if shape.mla else None
-    return seqs, cache, q, q_pe
-
-
 def check(kind: str, mode: str, dev: torch.device, seed: int = 0) -> dict[str, Any]:
     """Max |FlashInfer - reference| on one random paged problem (bf16 inputs)."""
     shape = GPU_SHAPES[kind]
-    seqs, cache, q, q_pe = _problem(shape, LENS[mode], dev, seed)
+    seqs, cache, q, q_pe = random_problem(shape, LENS[mode], seed)
+    cache, q = cache.to(dev, torch.bfloat16), q.to(dev, torch.bfloat16)
+    q_pe = q_pe.to(dev, torch.bfloat16) if q_pe is not None else None
     meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
     fi, ref = make_attention("flashinfer", shape, dev), TorchAttention(shape)
     fi.plan(meta)
@@ -354,7 +325,7 @@ def _attention_pages(spec: ModelSpec, b: int, ctx: int, dev: torch.device) -> di
     for ps in (16, 32, 64):
         per = pages_for(ctx + 1, ps)
         shape = AttnShape.of(spec, ps, "HND")
-        layer = torch.empty(b * per + 1, 2, spec.kv_heads, ps, spec.head_dim, device=dev)
+        layer = torch.empty(b * per + 1, *shape.page.shape, device=dev)
         layer = layer.uniform_(-1, 1).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
         seqs = [Seq((0,), ctx, tuple(range(i * per, (i + 1) * per))) for i in range(b)]
         out[ps] = _attention_alone(shape, seqs, layer)

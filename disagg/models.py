@@ -251,6 +251,20 @@ DEEPSEEK_V3 = ModelSpec(
     mtp_layers=1,
 )
 
+
+def dense(spec: ModelSpec) -> ModelSpec:
+    """`spec` without MoE layers or MTP modules (the real backend runs a dense MLP)."""
+    return replace(
+        spec,
+        experts=0,
+        experts_per_token=0,
+        shared_experts=0,
+        moe_intermediate=0,
+        dense_layers=0,
+        mtp_layers=0,
+    )
+
+
 # toy shapes of the same structures, for CPU runs of the real backend and for tests
 TINY_GQA = replace(
     LLAMA_31_8B,
@@ -264,7 +278,7 @@ TINY_GQA = replace(
     intermediate=128,
 )
 TINY_MLA = replace(
-    DEEPSEEK_V3,
+    dense(DEEPSEEK_V3),
     name="tiny-mla",
     hidden=64,
     layers=2,
@@ -277,12 +291,6 @@ TINY_MLA = replace(
     qk_nope_dim=16,
     qk_rope_dim=8,
     v_head_dim=16,
-    experts=0,
-    experts_per_token=0,
-    shared_experts=0,
-    moe_intermediate=0,
-    dense_layers=0,
-    mtp_layers=0,
 )
 
 MODELS: dict[str, ModelSpec] = {

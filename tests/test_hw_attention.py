@@ -11,7 +11,6 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import torch
 import torch.nn.functional as F
 
-from disagg.core.kvcache import pages_for
 from disagg.errors import ConfigError
 from disagg.hw.attention import (
     AttnShape,
@@ -19,6 +18,7 @@ from disagg.hw.attention import (
     import_flashinfer,
     make_attention,
     parse_attention,
+    random_problem,
 )
 from disagg.hw.batch import BatchMeta, Seq
 
@@ -40,17 +40,6 @@ PREFILL = [(0, 37), (50, 20), (129, 1), (16, 64)]  # (cached, new) per sequence:
 DECODE = [(0, 1), (17, 1), (300, 1), (63, 1)]
 
 
-def _cache(shape: AttnShape, num_pages: int, gen: torch.Generator) -> torch.Tensor:
-    """Random pages (garbage beyond each sequence's tokens catches over-reads)."""
-    if shape.mla:
-        dims: tuple[int, ...] = (shape.page_size, shape.head_dim + shape.rope_dim)
-    elif shape.layout == "HND":
-        dims = (2, shape.kv_heads, shape.page_size, shape.head_dim)
-    else:
-        dims = (2, shape.page_size, shape.kv_heads, shape.head_dim)
-    return torch.randn((num_pages, *dims), generator=gen)
-
-
 def _dense_kv(cache: torch.Tensor, pages: list[int], n: int, shape: AttnShape) -> torch.Tensor:
     """Read tokens 0..n-1 back token by token (independent of gather_pages)."""
     rows = []
@@ -63,21 +52,6 @@ def _dense_kv(cache: torch.Tensor, pages: list[int], n: int, shape: AttnShape) -
         else:
             rows.append(cache[p, :, o])
     return torch.stack(rows, dim=-3 if not shape.mla else 0)
-
-
-def _problem(shape: AttnShape, lens: list[tuple[int, int]], seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    need = [pages_for(c + n, shape.page_size) for c, n in lens]
-    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    seqs, at = [], 0
-    for (c, n), k in zip(lens, need, strict=True):
-        seqs.append(Seq.of([1] * n, c, perm[at : at + k]))
-        at += k
-    cache = _cache(shape, len(perm), gen)
-    t = sum(n for _, n in lens)
-    q = torch.randn(t, shape.heads, shape.head_dim, generator=gen)
-    q_pe = torch.randn(t, shape.heads, shape.rope_dim, generator=gen) if shape.mla else None
-    return seqs, cache, q, q_pe
 
 
 def _sdpa(q, k, v, scale):
@@ -96,7 +70,7 @@ def _sdpa(q, k, v, scale):
 @pytest.mark.parametrize("kind", ["HND", "NHD", "MLA"])
 def test_reference_equals_dense_unpaged_attention(kind: str, lens: list[tuple[int, int]]) -> None:
     shape = CPU_SHAPES[kind]
-    seqs, cache, q, q_pe = _problem(shape, lens)
+    seqs, cache, q, q_pe = random_problem(shape, lens)
     ref = TorchAttention(shape)
     ref.plan(BatchMeta.of(seqs, shape.page_size, cache.shape[0]))
     out = ref.run(cache, q, q_pe)
@@ -151,7 +125,7 @@ def test_missing_flashinfer_says_how_to_install() -> None:
 @pytest.mark.parametrize("kind", ["HND", "NHD", "MLA"])
 def test_flashinfer_matches_reference(kind: str, lens: list[tuple[int, int]]) -> None:
     shape = GPU_SHAPES[kind]
-    seqs, cache, q, q_pe = _problem(shape, lens, seed=1)
+    seqs, cache, q, q_pe = random_problem(shape, lens, seed=1)
     dev = torch.device("cuda")
     cache, q = cache.to(dev, torch.bfloat16), q.to(dev, torch.bfloat16)
     q_pe = q_pe.to(dev, torch.bfloat16) if q_pe is not None else None

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -242,10 +243,7 @@ def read_azure_csv(path: str | Path) -> list[Arrival]:
                     _tokens(row["GeneratedTokens"], f"{where}: GeneratedTokens"),
                 )
             )
-    if not rows:
-        raise TraceError(f"{path}: the trace has no requests")
-    t0 = min(r[0] for r in rows)
-    return _sorted_arrivals([((t - t0) / 1e9, p, o) for t, p, o in rows])
+    return _sorted_arrivals(path, rows, 1e9)
 
 
 def read_mooncake_jsonl(path: str | Path) -> list[Arrival]:
@@ -278,10 +276,7 @@ def read_mooncake_jsonl(path: str | Path) -> list[Arrival]:
                     _tokens(record["output_length"], f"{where}: output_length"),
                 )
             )
-    if not rows:
-        raise TraceError(f"{path}: the trace has no requests")
-    t0 = min(r[0] for r in rows)
-    return _sorted_arrivals([((t - t0) / 1e3, p, o) for t, p, o in rows])
+    return _sorted_arrivals(path, rows, 1e3)
 
 
 def _open(path: Path, encoding: str) -> TextIO:
@@ -291,10 +286,16 @@ def _open(path: Path, encoding: str) -> TextIO:
         raise TraceError(f"{path}: cannot open trace ({e.strerror})") from None
 
 
-def _sorted_arrivals(rows: list[tuple[float, int, int]]) -> list[Arrival]:
-    """Arrivals sorted by time (ties keep file order), numbered 0..n-1."""
-    rows = sorted(rows, key=lambda r: r[0])
-    return _arrivals([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+def _sorted_arrivals(
+    path: Path, rows: Sequence[tuple[float, int, int]], per_second: float
+) -> list[Arrival]:
+    """A trace's (time, prompt, output) rows as arrivals: times in seconds after the earliest
+    (`per_second` time units to a second), sorted (ties keep file order), numbered 0..n-1."""
+    if not rows:
+        raise TraceError(f"{path}: the trace has no requests")
+    t0 = min(r[0] for r in rows)
+    rebased = sorted([((t - t0) / per_second, p, o) for t, p, o in rows], key=lambda r: r[0])
+    return _arrivals([r[0] for r in rebased], [r[1] for r in rebased], [r[2] for r in rebased])
 
 
 def _tokens(value: object, where: str) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from disagg.core.kvcache import Layout
+from disagg.core.kvcache import Layout, PageLayout, pages_for
 from disagg.errors import ConfigError
-from disagg.hw.batch import BatchMeta
+from disagg.hw.batch import BatchMeta, Seq
 from disagg.models import ModelSpec
 
 WORKSPACE_BYTES = 128 * 2**20
@@ -88,6 +88,12 @@ class AttnShape:
     mla: bool = False
     rope_dim: int = 0
 
+    @property
+    def page(self) -> PageLayout:
+        """One page of one layer as these kernels read it (`.shape` without the page index)."""
+        latent = self.head_dim + self.rope_dim if self.mla else self.head_dim
+        return PageLayout(self.page_size, self.kv_heads, latent, layout=self.layout, mla=self.mla)
+
     @staticmethod
     def of(spec: ModelSpec, page_size: int, layout: Layout = "HND") -> AttnShape:
         if spec.attention == "mla":
@@ -148,6 +154,28 @@ def gather_pages(
     # HND [n, 2, H, page, D] and NHD [n, 2, page, H, D] both -> [2, n, page, H, D]
     x = x.permute(1, 0, 3, 2, 4) if shape.layout == "HND" else x.permute(1, 0, 2, 3, 4)
     return x.reshape(2, -1, x.shape[-2], x.shape[-1])[:, :kv_len]
+
+
+Problem = tuple[list[Seq], torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def random_problem(shape: AttnShape, lens: list[tuple[int, int]], seed: int = 0) -> Problem:
+    """A random paged step for tests and benchmarks: (sequences, pages, q, q_pe), float32 on the
+    CPU. lens holds (cached, new) tokens per sequence; the sequences sit on shuffled pages, and
+    three more pages hold garbage (as do page slots past each sequence's tokens), so a kernel
+    that reads outside its pages shows it."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [pages_for(c + n, shape.page_size) for c, n in lens]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    seqs, at = [], 0
+    for (c, n), k in zip(lens, need, strict=True):
+        seqs.append(Seq.of([1] * n, c, perm[at : at + k]))
+        at += k
+    cache = torch.randn((len(perm), *shape.page.shape), generator=gen)
+    t = sum(n for _, n in lens)
+    q = torch.randn(t, shape.heads, shape.head_dim, generator=gen)
+    q_pe = torch.randn(t, shape.heads, shape.rope_dim, generator=gen) if shape.mla else None
+    return seqs, cache, q, q_pe
 
 
 class TorchAttention(Attention):
@@ -287,36 +315,14 @@ class FlashInferAttention(Attention):
                 dtype,
             )
             return
-        last = _int32(meta.last_page_len)
+        pages = (kv_ptr, idx, _int32(meta.last_page_len))
+        heads = (sh.heads, sh.kv_heads, sh.head_dim, sh.page_size)
+        types = {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": sh.sm_scale}
         if meta.is_decode:
-            self._decode.plan(
-                kv_ptr,
-                idx,
-                last,
-                sh.heads,
-                sh.kv_heads,
-                sh.head_dim,
-                sh.page_size,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=sh.sm_scale,
-            )
+            self._decode.plan(*pages, *heads, **types)
             self._active = self._decode
         else:
-            self._prefill.plan(
-                qo,
-                kv_ptr,
-                idx,
-                last,
-                sh.heads,
-                sh.kv_heads,
-                sh.head_dim,
-                sh.page_size,
-                causal=True,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=sh.sm_scale,
-            )
+            self._prefill.plan(qo, *pages, *heads, causal=True, **types)
             self._active = self._prefill
 
     def run(

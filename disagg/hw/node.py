@@ -93,6 +93,12 @@ class Submit:
     prompt: tuple[int, ...]
     output_tokens: int
 
+    def request(self) -> Request:
+        """The request this message submits, as the serving node tracks it."""
+        return Request(
+            self.req_id, self.arrival_s, len(self.prompt), self.output_tokens, prompt=self.prompt
+        )
+
 
 @register
 @dataclass(frozen=True)
@@ -523,9 +529,7 @@ class DecodeServer(GeneratingServer):
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
-            req = Request(
-                msg.req_id, msg.arrival_s, len(msg.prompt), msg.output_tokens, prompt=msg.prompt
-            )
+            req = msg.request()
             self.requests[req.id], self.outputs[req.id] = req, []
             self.execute(self.messenger.submit(req, 0, self.now()))
         else:
@@ -602,9 +606,7 @@ class ColocatedServer(GeneratingServer):
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
-            req = Request(
-                msg.req_id, msg.arrival_s, len(msg.prompt), msg.output_tokens, prompt=msg.prompt
-            )
+            req = msg.request()
             self.outputs[req.id] = []
             self.scheduler.add(req)
             if req.status is Status.FAILED:

@@ -9,20 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, TINY_GQA, TINY_MLA, ModelSpec
-
-
-def _dense(spec: ModelSpec) -> ModelSpec:
-    """The spec without MoE layers or MTP modules (the hw model runs a dense MLP)."""
-    return replace(
-        spec,
-        experts=0,
-        experts_per_token=0,
-        shared_experts=0,
-        moe_intermediate=0,
-        dense_layers=0,
-        mtp_layers=0,
-    )
+from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, TINY_GQA, TINY_MLA, ModelSpec, dense
 
 
 def tiny_gqa(layers: int = 2) -> ModelSpec:
@@ -55,7 +42,7 @@ def small_gqa(layers: int = 2) -> ModelSpec:
 def small_mla(layers: int = 2) -> ModelSpec:
     """MLA with DeepSeek-V3's latent 512 + rope 64 and 16 heads (one TP8 rank's share)."""
     return replace(
-        _dense(DEEPSEEK_V3),
+        dense(DEEPSEEK_V3),
         name="small-mla",
         hidden=256,
         layers=layers,

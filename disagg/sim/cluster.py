@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +35,7 @@ from disagg.core.messenger import (
 )
 from disagg.core.metrics import Recorder
 from disagg.core.request import Request, Status
-from disagg.core.router import make_router
+from disagg.core.router import Router, make_router
 from disagg.core.scheduler import (
     Batch,
     ColocatedScheduler,
@@ -106,6 +106,11 @@ class Node:
                 yield from self.run_pass(batch)
 
     def run_pass(self, batch: Batch) -> Proc:
+        raise NotImplementedError
+
+    @property
+    def load(self) -> int:
+        """Requests this node holds (what a least-loaded router compares)."""
         raise NotImplementedError
 
     def shape(self, batch: Batch) -> StepShape:
@@ -277,6 +282,11 @@ class ColocatedNode(Node):
             self.sim.finish(r)
 
 
+def _pick(router: Router, nodes: Sequence[Node]) -> int:
+    """The index of the node `router` picks, given every node's current load."""
+    return router.pick({i: n.load for i, n in enumerate(nodes)})
+
+
 class Sim:
     """One simulated run of an experiment."""
 
@@ -321,17 +331,15 @@ class Sim:
             req = Request(a.request_id, a.arrival_s, a.prompt_tokens, a.output_tokens)
             self.requests[req.id] = req
             if self.colocated:
-                loads = {i: n.load for i, n in enumerate(self.colocated)}
-                node = self.colocated[self.route_main.pick(loads)]
+                node = self.colocated[_pick(self.route_main, self.colocated)]
                 node.submit(req)
                 if req.status is Status.FAILED:
                     self.finished += 1
             else:
-                loads = {i: n.load for i, n in enumerate(self.decodes)}
-                self._submit(self.decodes[self.route_main.pick(loads)], req)
+                self._submit(self.decodes[_pick(self.route_main, self.decodes)], req)
 
     def _submit(self, decode: DecodeNode, req: Request) -> None:
-        prefill = self.route_prefill.pick({i: n.load for i, n in enumerate(self.prefills)})
+        prefill = _pick(self.route_prefill, self.prefills)
         self.transfers.choose_plan(req)
         self.execute(decode, decode.messenger.submit(req, prefill, self.env.now))
 
