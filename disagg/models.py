@@ -172,10 +172,6 @@ class ModelSpec:
         qk, v = self.attn_score_dims(absorbed)
         return 2 * self.heads * kv_len * (qk + v)
 
-    def flops_per_token(self, context: int = 0) -> int:
-        """Total forward FLOPs for one token with `context` tokens before it."""
-        return self.linear_flops_per_token + self.layers * self.attn_flops(context)
-
     def with_layers(self, layers: int) -> ModelSpec:
         """The same shapes cut to `layers` layers (for small hardware runs)."""
         if not 1 <= layers <= self.layers:
