@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from disagg.core.request import Request, Status
+from disagg.core.scheduler import Batch
 from disagg.errors import ConfigError
 
 STEP_COLUMNS = [
@@ -90,6 +91,22 @@ class Recorder:
                 prefill_tokens,
             )
         )
+
+    def batch(
+        self,
+        node: str,
+        kind: str,
+        start_s: float,
+        duration_s: float,
+        batch: Batch,
+        steps: int = 1,
+        decode_qo: int = 1,
+    ) -> None:
+        """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
+        tokens into a pass (1 + draft tokens)."""
+        d, prefill = len(batch.decodes), batch.prefill_tokens
+        rows, tokens = len(batch.chunks) + d, prefill + d * decode_qo
+        self.step(node, kind, start_s, duration_s, steps, rows, d, tokens, prefill)
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)

@@ -120,8 +120,9 @@ class PrefillScheduler:
             c.req.prefilled = c.start + c.tokens
             if c.last:
                 done.append(c.req)
-        ids = {r.id for r in done}
-        self.queue = deque((r, t) for r, t in self.queue if r.id not in ids)
+        if done:  # most passes of a long prompt finish nobody: keep the queue as it is
+            ids = {r.id for r in done}
+            self.queue = deque((r, t) for r, t in self.queue if r.id not in ids)
         return Progress(prefilled=done)
 
 
@@ -153,8 +154,9 @@ class DecodeScheduler:
 
     def complete(self, batch: Batch, steps: int = 1) -> Progress:
         progress = advance_decodes(batch.decodes, steps, self.tokens_per_step)
-        done = {r.id for r in progress.finished}
-        self.running = [r for r in self.running if r.id not in done]
+        if progress.finished:
+            done = {r.id for r in progress.finished}
+            self.running = [r for r in self.running if r.id not in done]
         return progress
 
 

@@ -28,6 +28,7 @@ import torch
 from disagg.config import Experiment
 from disagg.core import messenger as m
 from disagg.core.kvcache import PagePool
+from disagg.core.metrics import Recorder
 from disagg.core.request import Request, Status
 from disagg.core.scheduler import Batch, ColocatedScheduler, DecodeScheduler, PrefillScheduler
 from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
@@ -173,7 +174,7 @@ def serve(cfg: NodeConfig) -> None:
 # ---- common server ---------------------------------------------------------------------------
 @dataclass
 class _Stats:
-    steps: list[tuple[Any, ...]] = field(default_factory=list)
+    steps: Recorder = field(default_factory=Recorder)  # its steps rows only
     transfers: dict[int, list[Any]] = field(default_factory=dict)
 
 
@@ -216,7 +217,7 @@ class Server:
             "driver",
             Records(
                 self.cfg.name,
-                tuple(self.stats.steps),
+                tuple(self.stats.steps.steps),
                 tuple(tuple(v) for v in self.stats.transfers.values()),
                 error,
             ),
@@ -299,21 +300,8 @@ class Server:
         """Run one forward pass if there is work; True if one ran."""
         raise NotImplementedError
 
-    def record(self, kind: str, start: float, batch: Batch, decode_seqs: int) -> None:
-        n = batch.prefill_tokens + decode_seqs
-        self.stats.steps.append(
-            (
-                self.cfg.name,
-                kind,
-                start,
-                self.now() - start,
-                1,
-                len(batch.chunks) + decode_seqs,
-                decode_seqs,
-                n,
-                batch.prefill_tokens,
-            )
-        )
+    def record(self, kind: str, start: float, batch: Batch) -> None:
+        self.stats.steps.batch(self.cfg.name, kind, start, self.now() - start, batch)
 
     def sync(self) -> None:
         if self.model.device.type == "cuda":
@@ -459,7 +447,7 @@ class PrefillServer(Server):
             row[4], row[5] = r.prefill_start_s, self.now()
             del self.requests[r.id]
         self.execute(self.messenger.on_batch_done())
-        self.record("prefill", start, batch, 0)
+        self.record("prefill", start, batch)
         return True
 
     def follow_layers(self, before: int) -> None:
@@ -584,7 +572,7 @@ class DecodeServer(GeneratingServer):
                 r.first_token_s = self.now()
                 self.first_logits[r.id] = res.logits[i]
         done = self.scheduler.complete(batch).finished
-        self.record("decode", start, batch, len(batch.decodes))
+        self.record("decode", start, batch)
         for i, r in enumerate(batch.decodes):
             if r in done:
                 self.finish(r, res.logits[i])
@@ -646,7 +634,7 @@ class ColocatedServer(GeneratingServer):
         progress = self.scheduler.complete(batch)
         for r in progress.prefilled:
             r.prefill_end_s = r.first_token_s = self.now()
-        self.record("mixed" if batch.chunks else "decode", start, batch, len(batch.decodes))
+        self.record("mixed" if batch.chunks else "decode", start, batch)
         for r in progress.finished:
             self.finish(r, res.logits[rows.index(r)])
         return True

@@ -127,17 +127,8 @@ class Node:
 
     def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
         """One steps-table row for `steps` passes of `batch` that began at `t0`."""
-        d, prefill = len(batch.decodes), batch.prefill_tokens
-        self.sim.rec.step(
-            self.name,
-            kind,
-            t0,
-            self.env.now - t0,
-            steps,
-            len(batch.chunks) + d,
-            d,
-            prefill + d * self.cost.decode_qo,
-            prefill,
+        self.sim.rec.batch(
+            self.name, kind, t0, self.env.now - t0, batch, steps, self.cost.decode_qo
         )
 
     def _decode_run(
