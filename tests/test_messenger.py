@@ -307,3 +307,157 @@ def test_chunk_of_unknown_request_and_bad_counter_are_protocol_errors() -> None:
         pre.on_batch([(9, 0, 10)])
     with pytest.raises(ProtocolError, match="layer counter 5"):
         pre.on_layers(LAYERS + 1)
+
+
+# ---- parallel handoff: the router sends the request to both sides at once ------------------
+def parallel(decode_pages: int = 64, prefill_pages: int = 64, policy: str = "layerwise"):
+    dec, pre = sides(decode_pages, prefill_pages, policy)
+    dec.handoff = "parallel"
+    return dec, pre
+
+
+def routed_request(dec: DecodeMessenger, req: Request) -> PrefillRequest:
+    (send,) = dec.submit(req, PREFILL)
+    assert isinstance(send.msg, PrefillRequest) and send.msg.routed
+    return send.msg
+
+
+def test_parallel_prefill_starts_before_the_decoder_pages_and_catches_up_mid_pass() -> None:
+    dec, pre = parallel()
+    req = Request(1, 0.0, prompt_tokens=40, output_tokens=8, prompt=tuple(range(40)))
+    assert pre.submit(1, 40, DECODE) == [Prefill(1, 39)]  # no pages from the decoder yet
+    cmds = pre.on_batch([(1, 0, 39)]) + pre.on_layers(3)
+    assert cmds == []  # the KV waits on the prefill node
+    msg = routed_request(dec, req)
+    assert msg.prompt == ()  # the prefill node has it from the router
+    catch_up = pre.on_message(msg)
+    assert [(c.layers, c.earlier) for c in catch_up] == [(range(0, 3), False)]
+    rest = pre.on_layers(LAYERS) + pre.on_batch_done()
+    assert [c.layers for c in rest if isinstance(c, PostWrites)] == [range(3, 4)]
+    assert isinstance(rest[-1], PostMetadata)
+    assert land(dec, catch_up) == [] and land(dec, rest) == [Ready(1)]
+    assert complete_posts(pre, catch_up + rest) == []
+    assert pre.pool.used_pages == 0 and not pre.outbound
+
+
+def test_parallel_pages_arriving_after_the_prefill_are_sent_whole_then_freed() -> None:
+    dec, pre = parallel()
+    req = Request(2, 0.0, prompt_tokens=51, output_tokens=5)
+    pre.submit(2, 51, DECODE)
+    assert run_chunk(pre, 2, 0, 20) + run_chunk(pre, 2, 20, 30) == []
+    assert pre.pool.used_pages == 4  # held until the decoder says where they go
+    cmds = pre.on_message(routed_request(dec, req))
+    post, meta = cmds
+    assert isinstance(post, PostWrites) and post.earlier and post.layers == range(LAYERS)
+    assert post.src_pages == (0, 1, 2, 3) and all(post.imm) and isinstance(meta, PostMetadata)
+    assert land(dec, cmds) == [Ready(2)]
+    complete_posts(pre, cmds)
+    assert pre.pool.used_pages == 0
+
+
+def test_parallel_pages_arriving_between_chunks_count_the_cut_page_once() -> None:
+    dec, pre = parallel()
+    req = Request(3, 0.0, prompt_tokens=51, output_tokens=5)  # 50 tokens travel: 4 pages
+    pre.submit(3, 51, DECODE)
+    assert run_chunk(pre, 3, 0, 20) == []  # page 0 complete, page 1 cut
+    pre.on_batch([(3, 20, 30)])
+    pre.on_layers(2)
+    catch_up = pre.on_message(routed_request(dec, req))
+    done, running = catch_up
+    assert done.earlier and done.layers == range(LAYERS) and done.imm == (True, False)
+    assert not running.earlier and running.layers == range(2) and running.imm == (True,) * 3
+    rest = pre.on_layers(LAYERS) + pre.on_batch_done()
+    assert land(dec, catch_up) == [] and land(dec, rest) == [Ready(3)]
+
+
+def test_parallel_whole_policy_posts_only_after_the_last_chunk() -> None:
+    dec, pre = parallel(policy="whole")
+    req = Request(4, 0.0, 51, 5)
+    pre.submit(4, 51, DECODE)
+    run_chunk(pre, 4, 0, 20)
+    assert pre.on_message(routed_request(dec, req)) == []
+    (post, meta) = run_chunk(pre, 4, 20, 30)
+    assert post.layers == range(LAYERS) and all(post.imm) and not post.earlier
+    assert land(dec, [post, meta]) == [Ready(4)]
+
+
+def test_parallel_decoder_pages_before_the_router_submission_are_kept() -> None:
+    dec, pre = parallel()
+    req = Request(5, 0.0, 40, 4)
+    assert pre.on_message(routed_request(dec, req)) == []  # the router's message is late
+    assert pre.submit(5, 40, DECODE) == [Prefill(5, 39)]
+    cmds = run_chunk(pre, 5, 0, 39)
+    assert land(dec, cmds) == [Ready(5)]
+
+
+def test_parallel_decode_that_can_never_fit_cancels_the_started_prefill() -> None:
+    dec, pre = parallel(decode_pages=2)
+    req = Request(6, 0.0, 40, 10)
+    pre.submit(6, 40, DECODE)
+    failed, cancel = dec.submit(req, PREFILL)
+    assert isinstance(failed, Failed) and isinstance(cancel.msg, CancelTransfer)
+    assert pre.on_message(cancel.msg) == [Unschedule(6)]  # nobody to answer
+    assert pre.pool.used_pages == 0 and not pre.outbound
+    # the same cancel overtaking the router's submission drops the submission
+    assert pre.on_message(CancelTransfer(7, "decode pool")) == []
+    assert pre.submit(7, 40, DECODE) == [] and not pre.outbound
+
+
+def test_parallel_prefill_that_can_never_fit_rejects_the_decoder_pages() -> None:
+    dec, pre = parallel(prefill_pages=2)
+    req = Request(8, 0.0, 60, 4)
+    assert pre.submit(8, 60, DECODE) == []
+    (reply,) = pre.on_message(routed_request(dec, req))
+    assert isinstance(reply.msg, PrefillRejected) and "prefill node 0" in reply.msg.reason
+    (failed,) = dec.on_message(reply.msg)
+    assert isinstance(failed, Failed) and dec.pool.used_pages == 0
+
+
+def test_parallel_dead_decoder_frees_prefills_without_pages() -> None:
+    _, pre = parallel()
+    pre.submit(9, 40, DECODE)
+    run_chunk(pre, 9, 0, 39)
+    assert pre.pool.used_pages == 3
+    assert pre.on_peer_dead(DECODE, "gone") == []
+    assert pre.pool.used_pages == 0 and not pre.outbound
+
+
+def test_parallel_retry_and_one_token_prompts_go_decode_first() -> None:
+    dec, pre = parallel()
+    assert pre.submit(10, 1, DECODE) == [] and dec.submit(Request(10, 0.0, 1, 4), PREFILL) == [
+        Ready(10)
+    ]
+    req = Request(11, 0.0, 40, 4, prompt=tuple(range(40)))
+    pre.submit(11, 40, DECODE)
+    pre.on_message(routed_request(dec, req))
+    cmds = pre.on_message(CancelTransfer(11, "timeout"))
+    assert cmds[0] == Unschedule(11) and isinstance(cmds[1].msg, TransferAborted)
+    (retry,) = dec.on_message(cmds[1].msg)
+    assert isinstance(retry, Retry)
+    (send,) = dec.submit(req, PREFILL)
+    assert not send.msg.routed and send.msg.prompt == req.prompt
+    assert pre.on_message(send.msg) == [Prefill(11, 39)]
+
+
+def test_unknown_handoff_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="unknown handoff 'eager'"):
+        DecodeMessenger(DECODE, PagePool(8, PAGE, "d"), expected_one_rank, handoff="eager")  # type: ignore[arg-type]
+
+
+def test_parallel_early_start_gives_way_to_a_request_with_pages_and_is_recomputed() -> None:
+    dec, pre = parallel(prefill_pages=3)
+    a, b = Request(20, 0.0, 40, 4), Request(21, 0.0, 40, 4)
+    assert pre.submit(20, 40, DECODE) == [Prefill(20, 39)]  # early start into free room
+    assert pre.submit(21, 40, DECODE) == []  # no room: parked until its decoder's pages come
+    assert run_chunk(pre, 20, 0, 20) == []  # half of a's prompt, its KV held here
+    # b's pages come first: b may not wait behind a's early start, so a is evicted
+    assert pre.on_message(routed_request(dec, b)) == [Unschedule(20), Prefill(21, 39)]
+    assert pre.evicted == 1 and 20 in pre.parked and pre.pool.pages_of(21) == [0, 1, 2]
+    b_posts = run_chunk(pre, 21, 0, 39)
+    assert land(dec, b_posts) == [Ready(21)]
+    assert pre.on_message(routed_request(dec, a)) == []  # waits in order for b's pages
+    assert complete_posts(pre, b_posts) == [Prefill(20, 39)]  # recomputed from the start
+    a_posts = run_chunk(pre, 20, 0, 39)
+    assert land(dec, a_posts) == [Ready(20)]
+    complete_posts(pre, a_posts)
+    assert pre.pool.used_pages == 0 and not pre.parked and not pre.outbound

@@ -65,6 +65,33 @@ def test_layerwise_transfer_overlaps_prefill_and_whole_request_waits() -> None:
     assert whole.ttft_s.median() > layer.ttft_s.median()
 
 
+def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
+    # the decoder's PrefillRequest lands mid-pass: what the pass produced by then is posted
+    # on arrival (a catch-up post), the rest layer by layer, so the KV is ready no later
+    hop = "transfer.control_latency_s=0.005"
+    first = tables(simulate("qwen3coder-disagg-1p3d.toml", hop))[0].set_index("request_id")
+    sim = simulate("qwen3coder-disagg-1p3d.toml", hop, "transfer.handoff=parallel")
+    both = tables(sim)[0].set_index("request_id")
+    assert (both.status == "finished").all() and len(both) == len(first) >= 20
+    assert (both.prefill_start_s - both.arrival_s).min() == 0  # no hop before the prefill
+    assert (first.prefill_start_s - first.arrival_s).min() >= 0.005 - 1e-9
+    saved = first.ttft_s - both.ttft_s
+    assert saved.min() > 0.0049 and saved.max() < 0.0051
+    assert all(node.pool.used_pages == 0 for node in [*sim.prefills, *sim.decodes])
+
+
+def test_parallel_handoff_under_decode_memory_pressure_loses_nothing() -> None:
+    # two prefill and two decode nodes, decode pools far too small for the load: early starts
+    # hold their KV on the prefill nodes until a decoder has pages (Sim.check_end: no leaks)
+    tight = ["workload.rate_per_s=12", "kv.memory_fraction=0.53"]
+    nodes = ["cluster.prefill.nodes=2", "cluster.decode.nodes=2"]
+    sim = simulate("qwen3coder-disagg-1p3d.toml", *tight, *nodes, "transfer.handoff=parallel")
+    req = tables(sim)[0]
+    assert (req.status == "finished").all() and len(req) == len(sim.arrivals) >= 200
+    assert (req.ready_s - req.arrival_s).median() > 2.0  # the decoders' queue, not the prefill
+    assert (req.prefill_start_s - req.arrival_s).median() < 0.5
+
+
 def test_nhd_under_a_head_mismatch_posts_more_writes_than_hnd() -> None:
     tp4 = ("cluster.decode.tp=4", "cluster.decode.dp=2")  # two TP4 groups per node
     hnd = tables(simulate("qwen3coder-disagg-1p3d.toml", *tp4))[2]
@@ -79,9 +106,11 @@ def test_mtp_accepting_more_tokens_shortens_decode() -> None:
     assert two.tpot_s.median() < 0.7 * one.tpot_s.median()
 
 
-def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost() -> None:
-    sim = simulate(
+@pytest.mark.parametrize("handoff", ["decode-first", "parallel"])
+def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost(handoff: str) -> None:
+    sim = simulate(  # under parallel handoff the prefill already started: it is cancelled
         None,
+        f"transfer.handoff={handoff}",
         "model.name=llama-3.1-8b",
         "model.weight_dtype=bf16",
         "cluster.prefill.tp=1",
@@ -99,6 +128,7 @@ def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost() -> 
     req = tables(sim)[0]
     assert len(req) == len(sim.arrivals) and (req.status == "failed").all()
     assert req.fail_reason.str.contains("KV pages on decode node").all()
+    assert all(node.pool.used_pages == 0 for node in [*sim.prefills, *sim.decodes])
 
 
 def test_a_model_that_does_not_fit_is_a_config_error() -> None:

@@ -10,6 +10,13 @@ Protocol (DESIGN.md):
    page ids and the slot its immediates will carry. A request that can never fit fails with a
    reason; one that cannot fit now waits, in order, for pages to be freed.
 2. Prefill allocates source pages for the prompt minus its last token and queues the request.
+   Handoff "parallel": the router sends the request to the prefill node too
+   (`PrefillMessenger.submit`), which starts it at once if it has the pages free; the KV it
+   produces waits on the prefill node until the decoder's PrefillRequest (marked `routed`) says
+   where it goes, and what was produced by then is posted on arrival. The decoder's reservation
+   leaves TTFT's path. Such an early start never delays a request whose decoder pages are known:
+   one that cannot start otherwise evicts early starts (freed, recomputed once their pages come),
+   so the pools of several prefill and decode nodes cannot wait on each other in a cycle.
    Before each forward pass the backend reports the chunks scheduled (`on_batch`).
 3. As the per-layer counter moves (`on_layers`), each chunk's pages of the new layers become
    PostWrites (policy "layerwise"); policy "whole" posts everything after the last chunk.
@@ -37,6 +44,7 @@ from disagg.core.request import Request, Status
 from disagg.errors import ProtocolError
 
 TransferPolicy = Literal["layerwise", "whole"]
+Handoff = Literal["decode-first", "parallel"]
 
 
 # ---- control-plane messages (cross node boundaries: plain data) ---------------------------
@@ -49,6 +57,7 @@ class PrefillRequest:
     dst_pages: tuple[int, ...]
     dst_rank: int = 0  # decode DP rank holding the pages (0 under TP)
     prompt: tuple[int, ...] = ()  # the prompt's token ids (a simulator sends none)
+    routed: bool = False  # the router sent the request to the prefill node too (parallel)
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,7 @@ class PostWrites:
     dst_pages: tuple[int, ...]
     imm: tuple[bool, ...]
     dst_rank: int = 0
+    earlier: bool = False  # layers produced by earlier passes (a catch-up post): start at once
 
     @property
     def imm_pages(self) -> int:
@@ -169,8 +179,12 @@ class DecodeMessenger:
         *,
         max_attempts: int = 3,
         timeout_s: float = math.inf,
+        handoff: Handoff = "decode-first",
     ) -> None:
+        if handoff not in ("decode-first", "parallel"):
+            raise ProtocolError(f"unknown handoff {handoff!r}: decode-first or parallel")
         self.node = node
+        self.handoff = handoff
         self.pool = pool
         self.expected_imms = expected_imms
         self.max_attempts = max_attempts
@@ -188,14 +202,18 @@ class DecodeMessenger:
         return len(self.waiting) + len(self.inbound)
 
     def submit(self, req: Request, prefill_node: int, now_s: float = 0.0) -> list[Command]:
-        """A request arrives (or is retried) at this decode node, routed to `prefill_node`."""
+        """A request arrives (or is retried) at this decode node, routed to `prefill_node`
+        (under parallel handoff, a first submission reached `prefill_node` at the same time)."""
         need = req.prompt_tokens + req.output_tokens
         if not self.pool.fits_ever(need):
             req.fail(
                 f"needs {self.pool.pages_for(need)} KV pages on decode node {self.node}, "
                 f"whose pool holds {self.pool.num_pages}"
             )
-            return [Failed(req.id, req.fail_reason)]
+            cmds: list[Command] = [Failed(req.id, req.fail_reason)]
+            if self._routed(req, first=req.attempts == 0):  # stop the prefill already started
+                cmds.append(Send(prefill_node, CancelTransfer(req.id, req.fail_reason)))
+            return cmds
         req.attempts += 1
         req.status = Status.QUEUED
         if self.waiting or not self.pool.can_allocate(need):
@@ -216,10 +234,23 @@ class DecodeMessenger:
             req, prefill_node, slot, expected, deadline_s=now_s + self.timeout_s
         )
         self._slot_of[req.id] = slot
+        routed = self._routed(req, first=req.attempts == 1)
         msg = PrefillRequest(
-            req.id, slot, self.node, req.prompt_tokens, tuple(dst[:kv_pages]), 0, req.prompt
+            req.id,
+            slot,
+            self.node,
+            req.prompt_tokens,
+            tuple(dst[:kv_pages]),
+            0,
+            () if routed else req.prompt,  # a routed prefill node has the prompt already
+            routed,
         )
         return [Send(prefill_node, msg)]
+
+    def _routed(self, req: Request, first: bool) -> bool:
+        """Whether the prefill node got this request from the router too (parallel handoff,
+        first attempt, and a prompt with something to prefill); retries go decode-first."""
+        return self.handoff == "parallel" and first and req.prompt_tokens > 1
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -311,14 +342,30 @@ class DecodeMessenger:
 
 # ---- prefill side --------------------------------------------------------------------------
 @dataclass
+class _Queued:
+    """A request this node accepted: from the decoder (`msg`), or from the router first
+    (parallel handoff: `msg` is None until the decoder's PrefillRequest arrives)."""
+
+    req_id: int
+    prompt_tokens: int
+    decode_node: int
+    msg: PrefillRequest | None = None
+
+
+@dataclass
 class _Outbound:
-    msg: PrefillRequest
+    job: _Queued
     src_pages: list[int]
     target: int  # prompt tokens this node prefills (all but the last)
+    done: int = 0  # prompt tokens whose KV every layer holds (finished chunks)
     pending_posts: int = 0
     prefilled: bool = False
     abort_reason: str = ""
     notify: bool = True  # tell decode when the abort is over (not if decode is dead)
+
+    @property
+    def msg(self) -> PrefillRequest | None:
+        return self.job.msg
 
 
 @dataclass(frozen=True)
@@ -347,48 +394,122 @@ class PrefillMessenger:
         self.policy = policy
         self.metadata = metadata
         self.outbound: dict[int, _Outbound] = {}
-        self.waiting: deque[PrefillRequest] = deque()
+        self.waiting: deque[_Queued] = deque()  # FIFO, decoder pages known (no early starts)
+        self.parked: dict[int, _Queued] = {}  # routed, not started: wait for the decoder's pages
+        self.evicted = 0  # early starts dropped to make room (recomputed later)
         self._batch: list[_ScheduledChunk] = []
         self._layers_sent = 0
+        # parallel handoff, the two messages racing: a routed PrefillRequest that came before
+        # the router's submission, and requests cancelled or refused before their other half
+        self._early: dict[int, PrefillRequest] = {}
+        self._gone: dict[int, str] = {}
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.outbound)
+        return len(self.waiting) + len(self.parked) + len(self.outbound)
+
+    def knows(self, req_id: int) -> bool:
+        """Whether `req_id` is waiting, prefilling or transferring here."""
+        return (
+            req_id in self.outbound
+            or req_id in self.parked
+            or any(q.req_id == req_id for q in self.waiting)
+        )
+
+    def submit(self, req_id: int, prompt_tokens: int, decode_node: int) -> list[Command]:
+        """Parallel handoff: the router sent the request here and to `decode_node` at once.
+        Prefill starts now; the decoder's PrefillRequest will say where the KV goes."""
+        if req_id in self._gone:  # the decoder cancelled it before it got here
+            del self._gone[req_id]
+            return []
+        if prompt_tokens <= 1:  # nothing to prefill: the decoder runs the one token
+            return []
+        return self._accept(
+            _Queued(req_id, prompt_tokens, decode_node, self._early.pop(req_id, None))
+        )
 
     def on_message(self, msg: Message) -> list[Command]:
         if isinstance(msg, PrefillRequest):
-            return self._accept(msg)
+            return self._on_request(msg)
         if isinstance(msg, CancelTransfer):
             if msg.req_id not in self.outbound:
                 return self._drop_waiting(msg.req_id, msg.reason)
             return self._abort(msg.req_id, msg.reason)
         raise ProtocolError(f"prefill node {self.node} cannot handle {type(msg).__name__}")
 
-    def _accept(self, msg: PrefillRequest) -> list[Command]:
-        tokens = msg.prompt_tokens - 1
+    def _on_request(self, msg: PrefillRequest) -> list[Command]:
+        if msg.routed and msg.req_id in self._gone:  # refused when the router's submission came
+            reason = self._gone.pop(msg.req_id)
+            return [Send(msg.decode_node, PrefillRejected(msg.req_id, reason))]
+        if not msg.routed:
+            self._gone.pop(msg.req_id, None)  # a retry: any old cancel is over
+        parked = self.parked.pop(msg.req_id, None)
+        if parked is not None:  # not started (or evicted): now it waits in order
+            parked.msg = msg
+            return self._accept(parked)
+        out = self.outbound.get(msg.req_id)
+        if out is None:
+            if msg.routed:  # the router's submission is still on its way
+                self._early[msg.req_id] = msg
+                return []
+            return self._accept(_Queued(msg.req_id, msg.prompt_tokens, msg.decode_node, msg))
+        if out.msg is not None:
+            raise ProtocolError(f"prefill node {self.node}: request {msg.req_id} handed off twice")
+        out.job.msg = msg
+        return [] if out.abort_reason else self._catch_up(out)
+
+    def _catch_up(self, out: _Outbound) -> list[Command]:
+        """The decoder's pages arrived for a request already (partly) prefilled: post what was
+        produced so far (layer-wise: finished chunks, and the running chunk's layers)."""
+        cmds: list[Command] = []
+        req_id = out.job.req_id
+        if out.done and (self.policy == "layerwise" or out.prefilled):
+            everything = range(self.num_layers)
+            cmds.append(self._post(_ScheduledChunk(req_id, 0, out.done), everything, True))
+        running = next((c for c in self._batch if c.req_id == req_id), None)
+        if running and self.policy == "layerwise" and self._layers_sent:
+            cmds.append(self._post(running, range(self._layers_sent)))
+        if out.prefilled and self.metadata:
+            cmds.append(self._post_metadata(out))
+        return cmds
+
+    def _accept(self, job: _Queued) -> list[Command]:
+        tokens = job.prompt_tokens - 1
         if not self.pool.fits_ever(tokens):
             reason = (
                 f"prompt needs {self.pool.pages_for(tokens)} KV pages on prefill node "
                 f"{self.node}, whose pool holds {self.pool.num_pages}"
             )
-            return [Send(msg.decode_node, PrefillRejected(msg.req_id, reason))]
-        if self.waiting or not self.pool.can_allocate(tokens):
-            self.waiting.append(msg)
-            return []
-        return self._start(msg)
+            if job.msg is None:  # answered when the decoder's PrefillRequest comes
+                self._gone[job.req_id] = reason
+                return []
+            return [Send(job.decode_node, PrefillRejected(job.req_id, reason))]
+        if job.msg is None:  # an early start, only into free room: never ahead of others
+            if self.waiting or not self.pool.can_allocate(tokens):
+                self.parked[job.req_id] = job
+                return []
+            return self._start(job)
+        self.waiting.append(job)
+        return self._admit()
 
-    def _start(self, msg: PrefillRequest) -> list[Command]:
-        tokens = msg.prompt_tokens - 1
-        src = self.pool.allocate(msg.req_id, tokens)
-        self.outbound[msg.req_id] = _Outbound(msg, src, tokens)
-        return [Prefill(msg.req_id, tokens)]
+    def _start(self, job: _Queued) -> list[Command]:
+        tokens = job.prompt_tokens - 1
+        src = self.pool.allocate(job.req_id, tokens)
+        self.outbound[job.req_id] = _Outbound(job, src, tokens)
+        return [Prefill(job.req_id, tokens)]
 
     def _drop_waiting(self, req_id: int, reason: str) -> list[Command]:
-        kept = [m for m in self.waiting if m.req_id != req_id]
-        if len(kept) == len(self.waiting):
-            return []  # already finished and freed: decode will see its immediates
-        dropped = next(m for m in self.waiting if m.req_id == req_id)
-        self.waiting = deque(kept)
-        return [Send(dropped.decode_node, TransferAborted(req_id, reason))]
+        """A cancel for a request not started here: drop it, and answer the decoder if it had
+        handed the request off (it waits for the answer to free its pages)."""
+        queued = next((q for q in self.waiting if q.req_id == req_id), None)
+        queued = self.parked.pop(req_id, queued)
+        early = self._early.pop(req_id, None)
+        if queued is not None:
+            self.waiting = deque(q for q in self.waiting if q.req_id != req_id)
+            msg = queued.msg
+        else:  # finished and freed (the decoder sees its immediates), or not come yet
+            msg = early
+            self._gone[req_id] = reason  # a router's submission still to come is dropped
+        return [] if msg is None else [Send(msg.decode_node, TransferAborted(req_id, reason))]
 
     def on_batch(self, chunks: Sequence[tuple[int, int, int]]) -> list[Command]:
         """Before a forward pass: the chunks (req_id, start, tokens) it computes."""
@@ -412,11 +533,13 @@ class PrefillMessenger:
         return [self._post(c, layers) for c in self._batch if self._live(c.req_id)]
 
     def _live(self, req_id: int) -> bool:
+        """Writes may go out: not aborted, and the decoder's pages are known."""
         out = self.outbound.get(req_id)
-        return out is not None and not out.abort_reason
+        return out is not None and not out.abort_reason and out.msg is not None
 
-    def _post(self, c: _ScheduledChunk, layers: range) -> PostWrites:
+    def _post(self, c: _ScheduledChunk, layers: range, earlier: bool = False) -> PostWrites:
         out = self.outbound[c.req_id]
+        assert out.msg is not None
         ps = self.pool.page_size
         end = c.start + c.tokens
         first, last = c.start // ps, (end - 1) // ps
@@ -431,25 +554,33 @@ class PrefillMessenger:
             out.msg.dst_pages[first : last + 1],
             imm,
             out.msg.dst_rank,
+            earlier,
         )
+
+    def _post_metadata(self, out: _Outbound) -> PostMetadata:
+        assert out.msg is not None
+        out.pending_posts += 1
+        return PostMetadata(out.job.req_id, out.msg.decode_node, out.msg.slot, out.msg.dst_rank)
 
     def on_batch_done(self) -> list[Command]:
         """The forward pass finished: post what is left, and the metadata of finished prompts."""
         cmds = self.on_layers(self.num_layers)
         for c in self._batch:
             out = self.outbound.get(c.req_id)
-            if out is None or out.abort_reason or c.start + c.tokens < out.target:
+            if out is None or out.abort_reason:
+                continue
+            out.done = c.start + c.tokens
+            if out.done < out.target:
                 continue
             out.prefilled = True
+            if out.msg is None:  # the decoder's pages are not known yet: posted on arrival
+                continue
             if self.policy == "whole":
                 cmds.append(
                     self._post(_ScheduledChunk(c.req_id, 0, out.target), range(self.num_layers))
                 )
             if self.metadata:
-                out.pending_posts += 1
-                cmds.append(
-                    PostMetadata(c.req_id, out.msg.decode_node, out.msg.slot, out.msg.dst_rank)
-                )
+                cmds.append(self._post_metadata(out))
         self._batch = []
         return cmds + self._finish_ready()
 
@@ -462,7 +593,7 @@ class PrefillMessenger:
         cmds: list[Command] = []
         if not ok and not out.abort_reason:
             cmds += self._abort(
-                req_id, f"transfer to decode node {out.msg.decode_node} failed: {error}"
+                req_id, f"transfer to decode node {out.job.decode_node} failed: {error}"
             )
         return cmds + self._finish_ready()
 
@@ -475,25 +606,58 @@ class PrefillMessenger:
 
     def on_peer_dead(self, decode_node: int, reason: str) -> list[Command]:
         """A decode node is gone: stop its transfers; nobody to tell."""
-        self.waiting = deque(m for m in self.waiting if m.decode_node != decode_node)
+        self.waiting = deque(q for q in self.waiting if q.decode_node != decode_node)
+        self.parked = {i: q for i, q in self.parked.items() if q.decode_node != decode_node}
+        self._early = {i: m for i, m in self._early.items() if m.decode_node != decode_node}
         cmds: list[Command] = []
         for req_id, out in list(self.outbound.items()):
-            if out.msg.decode_node == decode_node and req_id in self.outbound:
+            if out.job.decode_node == decode_node and req_id in self.outbound:
                 cmds += self._abort(req_id, f"decode node {decode_node} died: {reason}", False)
         return cmds
 
     def _finish_ready(self) -> list[Command]:
-        """Free pages of requests whose prefill and posts are all done; admit waiting ones."""
+        """Free pages of requests whose prefill and posts are all done (and whose KV has gone
+        out, or never will); admit waiting ones."""
         cmds: list[Command] = []
         in_batch = {c.req_id for c in self._batch}
         for req_id, out in list(self.outbound.items()):
-            if out.prefilled and out.pending_posts == 0 and req_id not in in_batch:
+            sent = out.msg is not None or out.abort_reason
+            if out.prefilled and sent and out.pending_posts == 0 and req_id not in in_batch:
                 del self.outbound[req_id]
                 self.pool.free(req_id)
-                if out.abort_reason and out.notify:
+                if out.abort_reason and out.notify and out.msg is not None:
                     cmds.append(
                         Send(out.msg.decode_node, TransferAborted(req_id, out.abort_reason))
                     )
-        while self.waiting and self.pool.can_allocate(self.waiting[0].prompt_tokens - 1):
+        return cmds + self._admit()
+
+    def _admit(self) -> list[Command]:
+        """Start waiting requests in order, evicting early starts to make room for them."""
+        cmds: list[Command] = []
+        while self.waiting:
+            need = self.waiting[0].prompt_tokens - 1
+            if not self.pool.can_allocate(need):
+                cmds += self._evict_early(need)
+            if not self.pool.can_allocate(need):
+                break
             cmds += self._start(self.waiting.popleft())
+        return cmds
+
+    def _evict_early(self, need: int) -> list[Command]:
+        """Free early starts (no decoder pages yet, not in the running pass), newest first,
+        until `need` tokens fit; each is parked, to be recomputed when its pages come."""
+        cmds: list[Command] = []
+        in_batch = {c.req_id for c in self._batch}
+        for req_id in reversed(list(self.outbound)):
+            if self.pool.can_allocate(need):
+                break
+            out = self.outbound[req_id]
+            if out.msg is not None or out.abort_reason or req_id in in_batch:
+                continue
+            del self.outbound[req_id]
+            self.pool.free(req_id)
+            self.parked[req_id] = out.job
+            self.evicted += 1
+            if not out.prefilled:
+                cmds.append(Unschedule(req_id))
         return cmds

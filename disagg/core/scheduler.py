@@ -89,8 +89,9 @@ class PrefillScheduler:
         self.queue: deque[tuple[Request, int]] = deque()
 
     def add(self, req: Request, target: int) -> None:
-        """Queue `req` to prefill its first `target` prompt tokens."""
-        req.status = Status.PREFILLING
+        """Queue `req` to prefill its first `target` prompt tokens (from the start: a request
+        queued again after an eviction or a retry is computed anew)."""
+        req.status, req.prefilled = Status.PREFILLING, 0
         self.queue.append((req, target))
 
     def remove(self, req_id: int) -> bool:

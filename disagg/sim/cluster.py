@@ -182,6 +182,7 @@ class PrefillNode(Node):
         self.layers = exp.model.spec.layers
         self.messenger = PrefillMessenger(idx, self.pool, self.layers, exp.transfer.policy)
         self.scheduler = PrefillScheduler(group.token_budget, group.max_batch)
+        self.pass_step: tuple[float, float] | None = None  # (start, duration) of the running pass
         self.env.process(self.loop())
 
     @property
@@ -195,7 +196,9 @@ class PrefillNode(Node):
         self.sim.execute(self, self.messenger.on_batch(chunks))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.sim.execute(self, self.messenger.on_layers(self.layers), (t0, step_s))
+        self.pass_step = (t0, step_s)
         yield self.env.timeout(step_s)
+        self.pass_step = None
         for r in self.scheduler.complete(batch).prefilled:
             r.prefill_end_s = self.env.now
         self.record("prefill", t0, 1, batch)
@@ -209,8 +212,9 @@ class DecodeNode(Node):
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         self.tps = sim.exp.spec.accepted_tokens_per_step
+        t = sim.exp.transfer
         self.messenger = DecodeMessenger(
-            idx, self.pool, sim.transfers.expected, max_attempts=sim.exp.transfer.max_attempts
+            idx, self.pool, sim.transfers.expected, max_attempts=t.max_attempts, handoff=t.handoff
         )
         self.scheduler = DecodeScheduler(group.max_batch, self.tps)
         self.env.process(self.loop())
@@ -332,6 +336,9 @@ class Sim:
     def _submit(self, decode: DecodeNode, req: Request) -> None:
         prefill = _pick(self.route_prefill, self.prefills)
         self.transfers.choose_plan(req)
+        if self.exp.transfer.handoff == "parallel" and req.attempts == 0:  # to both at once
+            node = self.prefills[prefill]
+            self.execute(node, node.messenger.submit(req.id, req.prompt_tokens, decode.idx))
         self.execute(decode, decode.messenger.submit(req, prefill, self.env.now))
 
     def finish(self, req: Request) -> None:
@@ -372,8 +379,9 @@ class Sim:
             self.prefills[dst] if isinstance(sender, DecodeNode) else self.decodes[dst]
         )
 
-        def deliver(_: simpy.Event) -> None:
-            self.execute(target, target.messenger.on_message(msg))
+        def deliver(_: simpy.Event) -> None:  # mid-pass, a catch-up post follows that pass
+            step = target.pass_step if isinstance(target, PrefillNode) else None
+            self.execute(target, target.messenger.on_message(msg), step)
 
         self.env.timeout(self.exp.transfer.control_latency_s).callbacks.append(deliver)
 

@@ -146,7 +146,7 @@ class TransferModel:
             key = ("prefill", prefill, n)
             self.nic_bytes[key] = self.nic_bytes.get(key, 0.0) + b
         start, not_before = env.now, 0.0
-        if step is not None and self.layerwise and isinstance(cmd, PostWrites):
+        if step is not None and self.layerwise and isinstance(cmd, PostWrites) and not cmd.earlier:
             t0, step_s = step
             per_layer = step_s / self.layers
             start = t0 + per_layer * (cmd.layers.start + 1)
