@@ -21,7 +21,9 @@ from disagg.config import build_experiment
 from disagg.hw.driver import HwOptions, run_hw
 
 
-def experiment(model: str, mode: str, layout: str, budget: int) -> dict:
+def experiment(
+    model: str, mode: str, layout: str, budget: int, handoff: str = "decode-first"
+) -> dict:
     return {
         "name": f"{model}-{mode}",
         "seed": 5,
@@ -33,6 +35,7 @@ def experiment(model: str, mode: str, layout: str, budget: int) -> dict:
             "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
         },
         "kv": {"page_size": 4, "layout": layout},
+        "transfer": {"handoff": handoff},
         "workload": {
             "rate_per_s": 50,
             "num_requests": 5,
@@ -59,13 +62,18 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.parametrize(
-    ("layout", "budget"), [("HND", 8), ("NHD", 1000)], ids=["HND-chunked", "NHD-whole-prompt"]
+    ("layout", "budget", "handoff"),
+    [("HND", 8, "decode-first"), ("NHD", 1000, "decode-first"), ("HND", 8, "parallel")],
+    ids=["HND-chunked", "NHD-whole-prompt", "HND-chunked-parallel-handoff"],
 )
 def test_disaggregated_equals_colocated(
-    colocated, layout: str, budget: int, tmp_path: Path
+    colocated, layout: str, budget: int, handoff: str, tmp_path: Path
 ) -> None:
+    """Under parallel handoff the prefill starts before the decoder's pages are known; the
+    pages and metadata reach the decoder all the same."""
     model, reference = colocated
-    summary, finished = run(tmp_path, "disagg", experiment(model, "disagg", layout, budget))
+    data = experiment(model, "disagg", layout, budget, handoff)
+    summary, finished = run(tmp_path, "disagg", data)
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)
@@ -192,15 +200,23 @@ CUDA = pytest.mark.skipif(
 
 @CUDA
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["llama-3.1-8b", "deepseek-v3"])
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize(
+    ("model", "layout", "handoff"),
+    [
+        ("llama-3.1-8b", "HND", "decode-first"),
+        ("llama-3.1-8b", "NHD", "decode-first"),
+        ("deepseek-v3", "HND", "decode-first"),
+        ("deepseek-v3", "NHD", "decode-first"),
+        ("llama-3.1-8b", "HND", "parallel"),
+    ],
+)
 def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
-    model: str, layout: str, tmp_path: Path
+    model: str, layout: str, handoff: str, tmp_path: Path
 ) -> None:
     """bf16 + FlashInfer, two processes on one GPU exchanging pages by CUDA IPC peer copies."""
     out = {}
     for mode, budget in (("colocated", 4096), ("disagg", 48)):
-        data = experiment(model, mode, layout, budget)
+        data = experiment(model, mode, layout, budget, handoff)
         data["model"]["layers"] = 2
         data["kv"]["page_size"] = 16
         data["workload"]["prompt_tokens"] = {"dist": "uniform", "low": 40, "high": 300}

@@ -117,10 +117,14 @@ class Control:
         self.dealers[peer] = sock
         self.last_seen[peer] = time.monotonic()
 
-    def send(self, peer: str, msg: Any) -> None:
-        if peer not in self.dealers:
-            raise TransportError(f"{self.name}: no connection to {peer!r}")
-        self.dealers[peer].send(encode(msg))
+    def send(self, peer: str | list[str], msg: Any) -> None:
+        """Send `msg` to `peer` (or to each of a list of peers, encoded once)."""
+        peers = [peer] if isinstance(peer, str) else peer
+        raw = encode(msg)
+        for p in peers:
+            if p not in self.dealers:
+                raise TransportError(f"{self.name}: no connection to {p!r}")
+            self.dealers[p].send(raw)
 
     def recv(self, timeout_s: float = 0.0) -> tuple[str, Any] | None:
         """The next message (skipping heartbeats), waiting up to `timeout_s`."""

@@ -167,7 +167,11 @@ class Driver:
         if not arrivals:
             raise ConfigError("the workload produced no requests")
         prompts = prompts_for(self.exp, [a.prompt_tokens for a in arrivals])
-        entry = self.configs[-1].name  # the decode (or colocated) server takes requests
+        # the decode (or colocated) server takes requests; under parallel handoff the prefill
+        # server gets them at the same time (first: it starts computing at once)
+        entry = [self.configs[-1].name]
+        if self.exp.cluster.mode == "disagg" and self.exp.transfer.handoff == "parallel":
+            entry.insert(0, self.configs[0].name)
         t0 = time.time()
         for cfg in self.configs:
             self.control.send(cfg.name, Start(t0))

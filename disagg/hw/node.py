@@ -7,12 +7,14 @@ driver (`disagg.hw.driver`) and its peers over the ZeroMQ control plane, and mov
 a wire (tcp, cuda or verbs):
 
     driver -> Submit -> decode: reserve pages, PrefillRequest -> prefill
+    (handoff "parallel": driver -> Submit -> prefill too, which starts before the pages come)
     prefill: chunks -> forward pass; counter moves -> PostWrites -> wire.post(units, imm=slot)
     decode: immediates -> Ready -> decode passes -> Finished -> driver
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import queue
@@ -273,16 +275,21 @@ class Server:
     def tick(self) -> None:
         """One turn of the main loop: messages, wire events, then at most one forward pass."""
         busy = self.step()
-        got = self.control.recv(0.0 if busy else self.idle_wait_s())
-        while got is not None:
+        self.handle(self.control.recv(0.0 if busy else self.idle_wait_s()))
+        if not self.running:
+            return
+        self.control.heartbeat()
+        for peer in self.control.dead_peers():
+            self.on_dead(peer)
+
+    def handle(self, got: tuple[str, Any] | None) -> None:
+        """Handle `got` and every control message waiting behind it."""
+        while got is not None and self.running:
             if isinstance(got[1], Shutdown):
                 self.running = False
                 return
             self.on_message(got[1])
             got = self.control.recv(0.0)
-        self.control.heartbeat()
-        for peer in self.control.dead_peers():
-            self.on_dead(peer)
 
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
@@ -335,6 +342,10 @@ class PrefillServer(Server):
         self.plan = _single_gpu_plan(self.exp, self.cache.layers[0].element_size())
         self.requests: dict[int, Request] = {}
         self.prompts: dict[int, tuple[int, ...]] = {}
+        # this side's metadata rows, one per prefilled request until its posts complete (the
+        # decoder's slot may not be known yet when the hidden state is computed)
+        self.rows: dict[int, int] = {}
+        self.free_rows = collections.deque(range(META_SLOTS))
         self.posts: dict[int, int] = {}  # wr_id -> req_id
         self._wr = 0
         self.layer_q: queue.Queue[int] = queue.Queue()
@@ -348,7 +359,11 @@ class PrefillServer(Server):
         self.wire.connect(peer["name"], peer["wire_info"], regions)
 
     def on_message(self, msg: Any) -> None:
-        if isinstance(msg, m.PrefillRequest):
+        if isinstance(msg, Submit):  # parallel handoff: straight from the driver
+            self.prompts[msg.req_id] = msg.prompt
+            self.execute(self.messenger.submit(msg.req_id, len(msg.prompt), decode_node=0))
+            return
+        if isinstance(msg, m.PrefillRequest) and msg.prompt:
             self.prompts[msg.req_id] = msg.prompt
         self.execute(self.messenger.on_message(msg))
 
@@ -372,6 +387,10 @@ class PrefillServer(Server):
                 self.post(cmd.req_id, f"decode{cmd.decode_node}", self.page_units(cmd))
             elif isinstance(cmd, m.PostMetadata):
                 self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
+        for req_id in [r for r in self.rows if r not in self.messenger.outbound]:
+            self.free_rows.append(self.rows.pop(req_id))  # its posts are done (or never will be)
+        for req_id in [r for r in self.prompts if not self.messenger.knows(r)]:
+            del self.prompts[req_id]  # cancelled or refused before it started
 
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
         """One unit per layer: every page's writes as arrays, then one immediate that counts
@@ -391,11 +410,18 @@ class PrefillServer(Server):
         ]
 
     def meta_unit(self, cmd: m.PostMetadata) -> Unit:
+        """This side's row of the request's hidden state -> the decoder's row of its slot."""
         if cmd.slot >= META_SLOTS:
             raise DisaggError(f"metadata slot {cmd.slot} >= {META_SLOTS} rows")
         row = self.meta.shape[1] * 4
-        off = cmd.slot * row
-        return Unit([Write("meta", off, "meta", off, row)], pack_imm(cmd.slot, 1))
+        src, dst = self.rows[cmd.req_id] * row, cmd.slot * row
+        return Unit([Write("meta", src, "meta", dst, row)], pack_imm(cmd.slot, 1))
+
+    def meta_row(self, req_id: int) -> int:
+        if not self.free_rows:
+            raise DisaggError(f"{self.cfg.name}: all {META_SLOTS} metadata rows in use")
+        self.rows[req_id] = self.free_rows.popleft()
+        return self.rows[req_id]
 
     def post(self, req_id: int, peer: str, units: list[Unit]) -> None:
         assert self.wire is not None
@@ -439,7 +465,7 @@ class PrefillServer(Server):
         out = self.runner.step(seqs)
         for i, c in enumerate(batch.chunks):
             if c.last:  # hidden state of the token before the last prompt token (stream order)
-                self.meta[self.messenger.outbound[c.req.id].msg.slot] = out.hidden[i].float()
+                self.meta[self.meta_row(c.req.id)] = out.hidden[i].float()
         self.follow_layers(out.layers_before)
         self.sync()
         for r in self.scheduler.complete(batch).prefilled:
@@ -451,9 +477,12 @@ class PrefillServer(Server):
         return True
 
     def follow_layers(self, before: int) -> None:
-        """Post each layer's pages as the watcher sees the counter pass it."""
+        """Post each layer's pages as the watcher sees the counter pass it. Control messages
+        are handled meanwhile: a decoder's pages that come mid-pass (parallel handoff) take
+        what the pass has produced so far at once, and the rest layer by layer."""
         done = 0
         while done < self.layers:
+            self.handle(self.control.recv(0.0))
             try:
                 n = self.layer_q.get(timeout=0.001) - before
             except queue.Empty:
@@ -502,7 +531,12 @@ class DecodeServer(GeneratingServer):
         t, group = self.exp.transfer, self.exp.cluster.decode
         self.plan = _single_gpu_plan(self.exp, self.cache.layers[0].element_size())
         self.messenger = m.DecodeMessenger(
-            cfg.index, self.pool, self.expected, max_attempts=t.max_attempts, timeout_s=t.timeout_s
+            cfg.index,
+            self.pool,
+            self.expected,
+            max_attempts=t.max_attempts,
+            timeout_s=t.timeout_s,
+            handoff=t.handoff,
         )
         self.scheduler = DecodeScheduler(group.max_batch)
         self.requests: dict[int, Request] = {}
