@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
 # decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
-# machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py.
+# machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py;
+# TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -19,7 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
-  --models "${PREBUILD:-llama-3.1-8b,deepseek-v3,llama-3.1-8b@fused}" 2>&1 | tail -20 | tee -a "$LOG"
+  --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
@@ -31,6 +32,6 @@ cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot.png "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
-  tests/test_hw_transport_cuda.py -k "gpu or flashinfer or cuda" 2>&1 | tail -25 | tee -a "$LOG"
+  tests/test_hw_transport_cuda.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"
 tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true

@@ -1,6 +1,6 @@
 """Build the FlashInfer kernels a run needs once, before several processes load them.
 
-    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3,llama-3.1-8b@fused]
+    python tools/flashinfer_prebuild.py [--models llama-3.1-8b,deepseek-v3,llama-3.1-8b@fa3]
 
 FlashInfer 0.6.0 JIT-compiles each kernel module on first use with ninja in one shared build
 directory; two processes building at once (a prefill and a decode server starting together)
