@@ -366,12 +366,6 @@ def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
-def _batched_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The same pieces as one batched copy of int64 words (torch._foreach_copy_)."""
-    words = [(d.view(torch.int64), s.view(torch.int64)) for d, s in pairs]
-    torch._foreach_copy_([d for d, _ in words], [s for _, s in words])
-
-
 def _transfer_one(
     dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int, by_address: bool
 ) -> dict[str, Any]:
@@ -395,26 +389,16 @@ def _transfer_one(
         copy_s = statistics.median(time_it(partial(b.copy_, a), dev_p, warmup=3, repeats=10))
         pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
         layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
-        batch_s = None
-        if dev_p == dev_d:
-            batched = partial(_batched_copy, pieces)
-            batch_s = statistics.median(time_it(batched, dev_p, warmup=3, repeats=10))
         del a, b, pieces
         out: dict[str, Any] = {
             "tokens": pages * 16,
             "bytes": nbytes,
             "copy_gbps": nbytes / copy_s / 1e9,
             "per_layer_copy_gbps": nbytes / layer_s / 1e9,
-            "batched_copy_gbps": nbytes / batch_s / 1e9 if batch_s else None,
         }
         torch.cuda.synchronize(dev_p)
         wr, posts = 0, 0
-        layouts = _layouts(pages, np.random.default_rng(0))
-        variants = [(name, pair, False) for name, pair in layouts.items()]
-        if dev_p == dev_d:  # units batched into one copy (this GPU only)
-            variants.append(("contiguous, one batched copy", layouts["contiguous"], True))
-        for name, (sp, dp), batch_units in variants:
-            wire.batch_units = batch_units
+        for name, (sp, dp) in _layouts(pages, np.random.default_rng(0)).items():
             sizes = np.full(pages, pb, dtype=np.int64)
             units = [
                 Unit(WriteArray(f"s{i}", f"r{i}", sp * pb, dp * pb, sizes), imm=i)
@@ -528,7 +512,7 @@ def headline(r: dict[str, Any]) -> list[str]:
             )
         )
     for run in t.get("runs", []):
-        for lay in [k for k in run if isinstance(run[k], dict)]:
+        for lay in ("contiguous", "scattered"):
             for kind in ("device", "end_to_end"):
                 g = run[lay][f"{kind}_gbps"]
                 rows.append(
@@ -536,8 +520,7 @@ def headline(r: dict[str, Any]) -> list[str]:
                         f"cuda wire {run['tokens']} tok, {lay}, {kind.replace('_', '-')}",
                         f"{g:.0f} GB/s",
                         f"plain copy {run['copy_gbps']:.0f} GB/s (as {t['layers']} per-layer "
-                        f"copies {run['per_layer_copy_gbps']:.0f} GB/s; as one batched copy "
-                        f"{run.get('batched_copy_gbps') or 0:.0f} GB/s)",
+                        f"copies {run['per_layer_copy_gbps']:.0f} GB/s)",
                         run[lay][f"{kind}_fraction_of_copy"],
                         t["target"],
                     )

@@ -28,12 +28,8 @@ def _peer_device() -> str:
     return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def _sender(
-    r: ReceiverProcess, src: torch.Tensor, by_address: bool = False, batch_units: bool = False
-) -> Transport:
-    wire = make_transport(
-        "cuda", endpoint="prefill0", by_address=by_address, batch_units=batch_units
-    )
+def _sender(r: ReceiverProcess, src: torch.Tensor, by_address: bool = False) -> Transport:
+    wire = make_transport("cuda", endpoint="prefill0", by_address=by_address)
     wire.register("src", src)
     wire.connect("decode0", r.info, r.descs)
     return wire
@@ -75,31 +71,6 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     assert torch.equal(dst, want)
 
 
-def test_one_batched_copy_of_several_units_puts_every_run_in_place() -> None:
-    """`batch_units`: the runs of several units (long aligned runs as int64 words, an odd-sized
-    run as bytes, scattered rows) gathered into one batched copy land where each asked."""
-    wire = object.__new__(CudaTransport)
-    wire._rows = {}
-    gen = torch.Generator().manual_seed(1)
-    src = [torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen) for _ in range(3)]
-    dst = [torch.zeros(4096, dtype=torch.uint8) for _ in range(3)]
-    arrays = [
-        WriteArray("s0", "d0", [0, 1024], [2048, 3072], [1024, 1024]),  # one 2 KiB run: words
-        WriteArray("s1", "d1", [8], [17], [1001]),  # unaligned, odd size: bytes
-        WriteArray("s2", "d2", [64 * i for i in (3, 9, 4)], [64 * i for i in (1, 5, 2)], [64] * 3),
-    ]
-    groups = [(src[i], dst[i], coalesce(wa)) for i, wa in enumerate(arrays)]
-    wire._copy_many(groups)
-    for i, wa in enumerate(arrays):
-        want = torch.zeros(4096, dtype=torch.uint8)
-        for w in wa:
-            want[w.dst_offset : w.dst_offset + w.nbytes] = src[i][
-                w.src_offset : w.src_offset + w.nbytes
-            ]
-        assert torch.equal(dst[i], want), i
-    assert len(coalesce(arrays[0])[2]) == 1  # the first group really was one run
-
-
 @gpu
 @pytest.mark.gpu
 def test_cuda_registration_carries_an_ipc_handle() -> None:
@@ -117,17 +88,10 @@ def test_cuda_registration_carries_an_ipc_handle() -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("by_address", "batch_units"),
-    [(False, False), (True, False), (False, True)],
-    ids=["torch-mapped", "driver-mapped", "units-batched"],
-)
-def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
-    by_address: bool, batch_units: bool
-) -> None:
-    """Every copy path: torch's IPC mapping (peer on this GPU), the driver's mapping in the
-    sender's context (peer on another GPU, or forced with by_address), and one batched copy
-    per post (batch_units)."""
+@pytest.mark.parametrize("by_address", [False, True], ids=["torch-mapped", "driver-mapped"])
+def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(by_address: bool) -> None:
+    """Both copy paths: torch's IPC mapping (peer on this GPU) and the driver's mapping in the
+    sender's context (peer on another GPU, or forced with by_address)."""
     r = ReceiverProcess("cuda", (ORDER, SCATTER), _peer_device(), "decode0")
     try:
         rng = random.Random(0)
@@ -136,7 +100,7 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
         slots = torch.tensor(list(b"".join(slot_bytes(k) for k in range(n))), dtype=torch.uint8)
         src[:ORDER] = slots.cuda()
         torch.cuda.synchronize()
-        wire = _sender(r, src, by_address, batch_units)
+        wire = _sender(r, src, by_address)
         two_gpus = torch.cuda.device_count() > 1  # then copies go by address, as peer copies
         mapped = wire._remote["decode0"]["r1"]  # type: ignore[attr-defined]
         assert isinstance(mapped, Mapped) == (two_gpus or by_address)

@@ -6,10 +6,6 @@ device copies on the wire's own stream at once: writes that continue each other 
 into one copy, and the remaining runs of a unit go out as one batched copy (`_foreach_copy_`).
 Writes given as a WriteArray are validated and coalesced with numpy, not one by one.
 
-With `batch_units`, a post of several units on this GPU goes out as one batched copy of all
-their runs (a few kernel launches instead of one copy per unit: each copy of a 16 MiB layer
-pays a ~3 us ramp), and its immediates follow that copy.
-
 After each unit with an immediate the sender records an event; a worker thread waits for it
 and only then sends the immediate to the receiver over a TCP side channel, so the receiver sees
 an immediate only once the bytes of that unit and every earlier one are in its memory. Batches
@@ -99,16 +95,13 @@ class CudaTransport(SocketWire):
         port: int = 0,
         *,
         by_address: bool = False,
-        batch_units: bool = False,
     ) -> None:
         """`by_address` maps every peer region through the driver, also on this GPU (tests use
-        it to run the two-GPU copy path on one GPU); by default only other GPUs' regions.
-        `batch_units`: one batched copy per post instead of one copy per unit (this GPU)."""
+        it to run the two-GPU copy path on one GPU); by default only other GPUs' regions."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
         self.by_address = by_address
-        self.batch_units = batch_units
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
@@ -216,40 +209,16 @@ class CudaTransport(SocketWire):
         elif len(n) == 1:
             dst[d[0] : d[0] + n[0]].copy_(src[s[0] : s[0] + n[0]], non_blocking=True)
         elif len(n):
-            torch._foreach_copy_(*self._pairs(src, dst, runs), non_blocking=True)
-
-    def _pairs(
-        self, src: torch.Tensor, dst: torch.Tensor, runs: Runs
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(destination views, source views) of `runs`, as int64 words when aligned."""
-        s, d, n = runs
-        if len(n) == 1:  # one long run (a layer's contiguous pages)
-            k, so, do = int(n[0]), int(s[0]), int(d[0])
-            if not (k % 8 or so % 8 or do % 8 or src.data_ptr() % 8 or dst.data_ptr() % 8):
-                return [_words(dst, do, k)], [_words(src, so, k)]
-            return [dst[do : do + k]], [src[so : so + k]]
-        row = int(n.min())
-        words = (
-            row % 8 == 0
-            and not (n % row).any()
-            and all(
-                t.numel() % row == 0 and t.data_ptr() % 8 == 0 and not (o % row).any()
-                for t, o in ((src, s), (dst, d))
+            row = int(n.min())
+            words = (
+                row % 8 == 0
+                and not (n % row).any()
+                and all(
+                    t.numel() % row == 0 and t.data_ptr() % 8 == 0 and not (o % row).any()
+                    for t, o in ((src, s), (dst, d))
+                )
             )
-        )
-        dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
-        return dsts, srcs
-
-    def _copy_many(self, groups: list[tuple[torch.Tensor, torch.Tensor, Runs]]) -> None:
-        """Every run of every group in one batched copy (all regions on this GPU)."""
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for src, dst, runs in groups:
-            if len(runs[2]):
-                a, b = self._pairs(src, dst, runs)
-                dsts += a
-                srcs += b
-        if dsts:
+            dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
@@ -261,13 +230,9 @@ class CudaTransport(SocketWire):
             check_imm(unit)
             plan.append(([self._resolve(peer, wa) for wa in as_arrays(unit.writes)], unit.imm))
         marks = []
-        batched = self.batch_units and len(plan) > 1
-        batched = batched and not any(isinstance(g[1], Mapped) for gs, _ in plan for g in gs)
         with torch.cuda.stream(self._stream):
-            if batched:
-                self._copy_many([g for groups, _ in plan for g in groups])  # type: ignore[misc]
             for groups, imm in plan:
-                for src, dst, runs in [] if batched else groups:
+                for src, dst, runs in groups:
                     self._copy(src, dst, runs)
                 if imm is not None:
                     event = torch.cuda.Event()
@@ -285,8 +250,3 @@ class CudaTransport(SocketWire):
             with contextlib.suppress(TransportError):
                 cudadriver.close_handle(ptr)
         self._opened.clear()
-
-
-def _words(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
-    """Bytes [offset, offset + nbytes) of uint8 tensor `t` as int64 words (all 8-aligned)."""
-    return t[offset : offset + nbytes].view(torch.int64)
