@@ -122,3 +122,32 @@ def test_close_is_idempotent_and_final() -> None:
 def test_unknown_wires_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="unknown wire"):
         make_transport("carrier-pigeon")
+
+
+def test_the_wake_fd_wakes_a_waiting_control_loop_when_immediates_arrive() -> None:
+    """A decode loop sleeps in Control.recv on its control socket and the wire's wake fd: an
+    immediate ends the wait at once (not at the timeout), and poll() clears the fd."""
+    import select
+
+    pytest.importorskip("zmq")
+    from disagg.hw.control import Control
+
+    recv, send = TcpTransport(endpoint="decode0"), TcpTransport(endpoint="prefill0")
+    ctl = Control("decode0")
+    try:
+        desc = recv.register("dst", bytearray(64))
+        send.register("src", bytearray(range(64)))
+        send.connect("decode0", recv.local_info(), [desc])
+        fd = recv.wake_fd()
+        assert fd is not None and not select.select([fd], [], [], 0)[0]
+        assert ctl.recv(0.05, fd) is None  # nothing came: the timeout ends the wait
+        send.post("decode0", [Unit([Write("src", 0, "dst", 0, 64)], imm=7)], wr_id=1)
+        t = time.monotonic()
+        assert ctl.recv(10.0, fd) is None
+        assert time.monotonic() - t < 2.0  # woken by the immediate, long before the timeout
+        assert recv.poll().immediates == [7]
+        assert not select.select([fd], [], [], 0)[0]  # cleared until the next immediate
+    finally:
+        ctl.close()
+        send.close()
+        recv.close()

@@ -15,6 +15,7 @@ import array
 import base64
 import dataclasses
 import json
+import math
 import time
 from typing import Any
 
@@ -108,6 +109,7 @@ class Control:
         self.last_seen: dict[str, float] = {}
         self.dead_after_s = dead_after_s
         self._beat_s = 0.0
+        self._pollers: dict[int | None, zmq.Poller] = {}
 
     def connect(self, peer: str, endpoint: str) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -126,15 +128,18 @@ class Control:
                 raise TransportError(f"{self.name}: no connection to {p!r}")
             self.dealers[p].send(raw)
 
-    def recv(self, timeout_s: float = 0.0) -> tuple[str, Any] | None:
-        """The next message (skipping heartbeats), waiting up to `timeout_s`."""
+    def recv(self, timeout_s: float = 0.0, wake_fd: int | None = None) -> tuple[str, Any] | None:
+        """The next message (skipping heartbeats), waiting up to `timeout_s`, or None at once
+        when `wake_fd` turns readable (a wire's immediates: `Transport.wake_fd`)."""
         deadline = time.monotonic() + timeout_s
+        poller = self._poller(wake_fd)
         while True:
             left = deadline - time.monotonic()
-            if 0 < left < 1e-3 and not self.router.poll(0):
+            if wake_fd is None and 0 < left < 1e-3 and not self.router.poll(0):
                 time.sleep(left)  # zmq waits in whole milliseconds: sleep, then look once more
                 left = 0.0
-            if not self.router.poll(max(0, round(left * 1000))):
+            ready = dict(poller.poll(max(0, math.ceil(left * 1000))))
+            if self.router not in ready:
                 return None
             sender_raw, raw = self.router.recv_multipart()
             sender = sender_raw.decode()
@@ -144,6 +149,15 @@ class Control:
                 return sender, msg
             # a heartbeat: keep draining, so that after a long forward pass every sender's
             # queued heartbeats count (liveness is "heard from since"), not just the oldest
+
+    def _poller(self, wake_fd: int | None) -> zmq.Poller:
+        if wake_fd not in self._pollers:
+            poller = zmq.Poller()
+            poller.register(self.router, zmq.POLLIN)
+            if wake_fd is not None:
+                poller.register(wake_fd, zmq.POLLIN)
+            self._pollers[wake_fd] = poller
+        return self._pollers[wake_fd]
 
     def heartbeat(self, every_s: float = 0.5) -> None:
         """Send a heartbeat to every peer, at most every `every_s`."""

@@ -192,6 +192,7 @@ class Server:
         self.layers = self.spec.layers
         self.control = Control(cfg.name, cfg.bind)
         self.control.connect("driver", cfg.driver)
+        self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
         self.model = Transformer(self.spec, seed=self.exp.seed, device=cfg.device)
         kv = self.exp.kv
         self.cache = self.model.new_cache(cfg.num_pages, kv.page_size, kv.layout)
@@ -275,7 +276,7 @@ class Server:
     def tick(self) -> None:
         """One turn of the main loop: messages, wire events, then at most one forward pass."""
         busy = self.step()
-        self.handle(self.control.recv(0.0 if busy else self.idle_wait_s()))
+        self.handle(self.control.recv(0.0 if busy else self.idle_wait_s(), self.wake_fd))
         if not self.running:
             return
         self.control.heartbeat()
@@ -542,9 +543,14 @@ class DecodeServer(GeneratingServer):
         self.requests: dict[int, Request] = {}
         self.slots: dict[int, int] = {}
 
+    def announce(self) -> None:
+        super().announce()
+        assert self.wire is not None
+        self.wake_fd = self.wire.wake_fd()
+
     def idle_wait_s(self) -> float:
-        # immediates do not wake the loop: poll the wire often while transfers are in flight
-        return 200e-6 if self.messenger.inbound else 0.002
+        # a wire without a wake-up fd: poll it often while transfers are in flight
+        return 200e-6 if self.wake_fd is None and self.messenger.inbound else 0.002
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
         return self.plan.expected_immediates(pages, self.layers, metadata=True)

@@ -67,7 +67,8 @@ class Server:
     """Accepts senders; applies their frames to `regions`; collects immediates; ACKs batches.
 
     regions maps a region id to a writable byte view (tcp); the cuda wire passes none and only
-    receives IMM frames. Thread-safe: `take_immediates` may be called from any thread.
+    receives IMM frames. Thread-safe: `take_immediates` may be called from any thread. A byte
+    on the `wake_fd` pipe says immediates are waiting, so a loop can sleep until they come.
     """
 
     def __init__(self, host: str, port: int, regions: dict[int, memoryview]) -> None:
@@ -76,6 +77,9 @@ class Server:
         self.address = self._listener.getsockname()[:2]
         self._lock = threading.Lock()
         self._imms: list[int] = []
+        self.wake_fd, self._wake_w = os.pipe()
+        for fd in (self.wake_fd, self._wake_w):
+            os.set_blocking(fd, False)
         self._conns: list[socket.socket] = []
         self._closed = False
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="wire-accept")]
@@ -84,7 +88,16 @@ class Server:
     def take_immediates(self) -> list[int]:
         with self._lock:
             out, self._imms = self._imms, []
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self.wake_fd, 4096)
         return out
+
+    def _add_immediate(self, value: int) -> None:
+        with self._lock:
+            self._imms.append(value)
+            if len(self._imms) == 1:  # the first since the last take: wake the reader
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_w, b"\0")
 
     def _accept(self) -> None:
         while True:
@@ -132,11 +145,9 @@ class Server:
                 raise TransportError(f"write outside region {region}")
             read_exact(reader, view[offset : offset + nbytes])
             if flags & HAS_IMM:
-                with self._lock:
-                    self._imms.append(value)
+                self._add_immediate(value)
         elif kind == IMM:
-            with self._lock:
-                self._imms.append(value)
+            self._add_immediate(value)
         elif kind == END:
             conn.sendall(frame(ACK, value))
         elif kind == HELLO:
@@ -153,6 +164,9 @@ class Server:
             _shut(c)
         for t in self._threads:
             t.join(timeout=5)
+        for fd in (self.wake_fd, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class Link:
@@ -275,6 +289,9 @@ class SocketWire(Transport):
     def local_info(self) -> dict[str, Any]:
         host, port = self._server.address
         return {"wire": self.name, "host": host, "port": port, "endpoint": self.endpoint}
+
+    def wake_fd(self) -> int | None:
+        return self._server.wake_fd
 
     def poll(self) -> Polled:
         with self._lock:

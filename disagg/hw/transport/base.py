@@ -166,6 +166,11 @@ class Transport(ABC):
     def poll(self) -> Polled:
         """Completions of posted batches and immediates received since the last poll."""
 
+    def wake_fd(self) -> int | None:
+        """A file descriptor that turns readable when immediates arrive (poll() clears it), for
+        a loop that sleeps until then; None if this wire has none (poll it instead)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and registrations; idempotent."""
