@@ -5,7 +5,8 @@
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
 # decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
 # machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py;
-# TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test).
+# TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test); SPACING=S seconds
+# between gpu_ttft.py's requests (default 3).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -25,7 +26,7 @@ nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \
-  --decode-device "$D" --spacing-s 3 --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"
+  --decode-device "$D" --spacing-s "${SPACING:-3}" --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"
 cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
