@@ -80,16 +80,16 @@ def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
     assert all(node.pool.used_pages == 0 for node in [*sim.prefills, *sim.decodes])
 
 
-def test_parallel_handoff_under_decode_memory_pressure_loses_nothing() -> None:
-    # two prefill and two decode nodes, decode pools far too small for the load: early starts
-    # hold their KV on the prefill nodes until a decoder has pages (Sim.check_end: no leaks)
-    tight = ["workload.rate_per_s=12", "kv.memory_fraction=0.53"]
-    nodes = ["cluster.prefill.nodes=2", "cluster.decode.nodes=2"]
-    sim = simulate("qwen3coder-disagg-1p3d.toml", *tight, *nodes, "transfer.handoff=parallel")
+def test_parallel_handoff_under_memory_pressure_evicts_early_starts_and_loses_nothing() -> None:
+    # decode pools far too small for the load: early starts hold their KV on the prefill node
+    # until a decoder has pages, fill its pool, and some are evicted (and recomputed) to make
+    # room for requests whose pages came (Sim.check_end: no leaks, nothing stuck)
+    tight = ["workload.rate_per_s=30", "kv.memory_fraction=0.53"]
+    sim = simulate("qwen3coder-disagg-1p3d.toml", *tight, "transfer.handoff=parallel")
     req = tables(sim)[0]
-    assert (req.status == "finished").all() and len(req) == len(sim.arrivals) >= 200
-    assert (req.ready_s - req.arrival_s).median() > 2.0  # the decoders' queue, not the prefill
-    assert (req.prefill_start_s - req.arrival_s).median() < 0.5
+    assert (req.status == "finished").all() and len(req) == len(sim.arrivals) >= 500
+    assert sim.prefills[0].messenger.evicted > 0
+    assert (req.ready_s - req.arrival_s).median() > 2.0  # the decoders' queue
 
 
 def test_nhd_under_a_head_mismatch_posts_more_writes_than_hnd() -> None:

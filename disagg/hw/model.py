@@ -38,10 +38,10 @@ ROPE_THETA = 500_000.0
 NORM_EPS = 1e-6
 CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
 # FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of torch's elementwise
-# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). On an H200, Llama-3.1-8B: prefill of
-# 8k tokens 220 ms against 237 ms, decode step at batch 128 x 4k 25.2 ms against 26.5 ms, same
-# first token (benchmarks/results/gpu_2026-11-29c.md). DISAGG_FUSED_OPS=0 turns it off in every
-# process (servers inherit the environment).
+# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). On an H200, Llama-3.1-8B, one run:
+# prefill of 8k tokens 216.6 ms against 245.1 ms, decode step at batch 128 x 4k 24.8 ms against
+# 25.1 ms, same first token (benchmarks/results/gpu_2026-11-29c.md). DISAGG_FUSED_OPS=0 turns it
+# off in every process (servers inherit the environment).
 FUSED_OPS = os.environ.get("DISAGG_FUSED_OPS", "1") != "0"
 
 
