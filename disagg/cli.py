@@ -211,7 +211,7 @@ def sim_sweep(
             _, summary = run_simulation(
                 exp_path, [*(set_ or []), f"{param}={v}"], run_dir, quiet=True
             )
-            rows.append({"experiment": exp_path.stem, param: float(v), **summary})
+            rows.append({"experiment": exp_path.stem, param: _number_or_text(v), **summary})
             console.print(
                 f"{exp_path.stem} {param}={v}: TTFT p50 "
                 f"{summary['ttft_s_p50'] * 1e3:.0f} ms, TPOT p50 "
@@ -221,6 +221,15 @@ def sim_sweep(
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
     console.print(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
+
+
+def _number_or_text(value: str) -> float | str:
+    """A swept value as the table keeps it: a number (plotted on a numeric axis) or the text
+    of a choice (`--param transfer.handoff --values decode-first,parallel`)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def _hw_missing() -> None:

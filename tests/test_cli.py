@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from typer.testing import CliRunner
 
 from disagg.cli import app
@@ -116,3 +117,28 @@ def test_failed_requests_are_reported_with_their_reason(tmp_path: Path) -> None:
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "requests failed" in res.output and "KV pages on decode node" in res.output
+
+
+def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
+    """One row per experiment and value in sweep.csv, numbers kept as numbers and choices
+    (the handoff) as text, and the figure written."""
+    exp = Path(__file__).parent.parent / "experiments" / "qwen3coder-disagg-1p3d.toml"
+    args = ["sim", "sweep", str(exp), "--set"]
+    short = [*args, "workload.duration_s=15", "--set", "transfer.control_latency_s=0.005"]
+    res = runner.invoke(
+        app, [*short, "--param", "transfer.handoff", "--values", "decode-first,parallel",
+              "--out", str(tmp_path / "h")],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "h" / "sweep.csv")
+    assert df["transfer.handoff"].tolist() == ["decode-first", "parallel"]
+    # parallel handoff takes the 5 ms control hop off every request's TTFT
+    assert df.ttft_s_p50[0] - df.ttft_s_p50[1] == pytest.approx(0.005, abs=2e-4)
+    assert (tmp_path / "h" / "sweep.png").stat().st_size > 0
+    res = runner.invoke(
+        app, [*short, "--param", "workload.rate_per_s", "--values", "1,2",
+              "--out", str(tmp_path / "r")],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rates = pd.read_csv(tmp_path / "r" / "sweep.csv")["workload.rate_per_s"]
+    assert rates.tolist() == [1.0, 2.0]
