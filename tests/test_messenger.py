@@ -461,3 +461,15 @@ def test_parallel_early_start_gives_way_to_a_request_with_pages_and_is_recompute
     assert land(dec, a_posts) == [Ready(20)]
     complete_posts(pre, a_posts)
     assert pre.pool.used_pages == 0 and not pre.parked and not pre.outbound
+
+
+def test_cancels_for_unknown_requests_are_remembered_boundedly() -> None:
+    # a cancel for a request long finished cannot be told from one whose router submission is
+    # still on its way: both are remembered, the oldest forgotten past GONE_KEPT
+    from disagg.core.messenger import GONE_KEPT
+
+    _, pre = parallel()
+    for i in range(GONE_KEPT + 10):
+        assert pre.on_message(CancelTransfer(1000 + i, "timeout")) == []
+    assert pre.submit(1000 + GONE_KEPT + 9, 40, DECODE) == []  # recent: dropped on arrival
+    assert pre.submit(1000, 40, DECODE) == [Prefill(1000, 39)]  # forgotten: prefilled

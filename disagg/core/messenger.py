@@ -340,6 +340,9 @@ class DecodeMessenger:
         return cmds
 
 
+GONE_KEPT = 4096  # requests cancelled or refused before their other half came (parallel handoff)
+
+
 # ---- prefill side --------------------------------------------------------------------------
 @dataclass
 class _Queued:
@@ -402,7 +405,7 @@ class PrefillMessenger:
         # parallel handoff, the two messages racing: a routed PrefillRequest that came before
         # the router's submission, and requests cancelled or refused before their other half
         self._early: dict[int, PrefillRequest] = {}
-        self._gone: dict[int, str] = {}
+        self._gone: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.parked) + len(self.outbound)
@@ -480,7 +483,7 @@ class PrefillMessenger:
                 f"{self.node}, whose pool holds {self.pool.num_pages}"
             )
             if job.msg is None:  # answered when the decoder's PrefillRequest comes
-                self._gone[job.req_id] = reason
+                self._bury(job.req_id, reason)
                 return []
             return [Send(job.decode_node, PrefillRejected(job.req_id, reason))]
         if job.msg is None:  # an early start, only into free room: never ahead of others
@@ -497,6 +500,14 @@ class PrefillMessenger:
         self.outbound[job.req_id] = _Outbound(job, src, tokens)
         return [Prefill(job.req_id, tokens)]
 
+    def _bury(self, req_id: int, reason: str) -> None:
+        """Remember why `req_id` ended here, for its other half still on its way. Only races
+        need this (the two halves arrive close together), and cancels of requests long
+        finished are also remembered: keep the newest GONE_KEPT."""
+        self._gone[req_id] = reason
+        if len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
+
     def _drop_waiting(self, req_id: int, reason: str) -> list[Command]:
         """A cancel for a request not started here: drop it, and answer the decoder if it had
         handed the request off (it waits for the answer to free its pages)."""
@@ -508,7 +519,7 @@ class PrefillMessenger:
             msg = queued.msg
         else:  # finished and freed (the decoder sees its immediates), or not come yet
             msg = early
-            self._gone[req_id] = reason  # a router's submission still to come is dropped
+            self._bury(req_id, reason)  # a router's submission still to come is dropped
         return [] if msg is None else [Send(msg.decode_node, TransferAborted(req_id, reason))]
 
     def on_batch(self, chunks: Sequence[tuple[int, int, int]]) -> list[Command]:
