@@ -35,7 +35,12 @@ import torch
 from disagg.core.kvcache import pages_for
 from disagg.hw import attention
 from disagg.hw import model as model_mod
-from disagg.hw.attention import AttnShape, TorchAttention, make_attention, random_problem
+from disagg.hw.attention import (
+    FLASHINFER_SHAPES,
+    AttnShape,
+    error_against_reference,
+    make_attention,
+)
 from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.device import resolve_device, time_it
 from disagg.hw.model import Transformer
@@ -43,11 +48,6 @@ from disagg.hw.runner import Runner
 from disagg.hw.specs import tiny_gqa
 from disagg.models import LLAMA_31_8B, ModelSpec
 
-GPU_SHAPES = {
-    "GQA-HND": AttnShape(8, 2, 128, 16, 128**-0.5, layout="HND"),
-    "GQA-NHD": AttnShape(8, 2, 128, 16, 128**-0.5, layout="NHD"),
-    "MLA": AttnShape(16, 1, 512, 16, 192**-0.5, mla=True, rope_dim=64),
-}
 LENS = {  # (cached, new) tokens per sequence
     "prefill": [(0, 37), (50, 20), (129, 1), (16, 64), (0, 1000)],
     "decode": [(0, 1), (17, 1), (300, 1), (63, 1), (4000, 1)],
@@ -73,16 +73,7 @@ SMOKE = Sizes(tiny_gqa(layers=4), 256, 1 << 22, 64, 4, 32, ())
 # ---- correctness ---------------------------------------------------------------------------
 def check(kind: str, mode: str, dev: torch.device, seed: int = 0) -> dict[str, Any]:
     """Max |FlashInfer - reference| on one random paged problem (bf16 inputs)."""
-    shape = GPU_SHAPES[kind]
-    seqs, cache, q, q_pe = random_problem(shape, LENS[mode], seed)
-    cache, q = cache.to(dev, torch.bfloat16), q.to(dev, torch.bfloat16)
-    q_pe = q_pe.to(dev, torch.bfloat16) if q_pe is not None else None
-    meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
-    fi, ref = make_attention("flashinfer", shape, dev), TorchAttention(shape)
-    fi.plan(meta)
-    ref.plan(meta)
-    got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
-    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    err, scale = error_against_reference(FLASHINFER_SHAPES[kind], LENS[mode], dev, seed)
     ok = math.isfinite(err) and err <= 2e-2 * max(1.0, scale)
     return {"kernel": kind, "mode": mode, "max_abs_err": err, "out_max": scale, "ok": ok}
 
@@ -90,7 +81,8 @@ def check(kind: str, mode: str, dev: torch.device, seed: int = 0) -> dict[str, A
 def correctness(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
     """FlashInfer against the reference for prefill and decode, HND, NHD and MLA."""
     rows = [
-        check(k, m, dev, i) for i, (k, m) in enumerate((k, m) for k in GPU_SHAPES for m in LENS)
+        check(k, m, dev, i)
+        for i, (k, m) in enumerate((k, m) for k in FLASHINFER_SHAPES for m in LENS)
     ]
     default = attention.DECODE_BACKEND
     for kernel in (k for k in attention.DECODE_BACKENDS if k != default):  # the other kernels

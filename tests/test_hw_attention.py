@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from disagg.errors import ConfigError
 from disagg.hw.attention import (
+    FLASHINFER_SHAPES,
     AttnShape,
     TorchAttention,
+    error_against_reference,
     import_flashinfer,
     make_attention,
     parse_attention,
@@ -24,17 +26,11 @@ from disagg.hw.batch import BatchMeta, Seq
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# CPU: toy head sizes and pages of 4. GPU: the sizes FlashInfer builds kernels for (GQA head_dim
-# 128 with group 4; MLA latent 512 + rope 64, DeepSeek-V3's scale 1/sqrt(192)).
+# CPU: toy head sizes and pages of 4. GPU: FLASHINFER_SHAPES, the sizes FlashInfer builds for.
 CPU_SHAPES = {
     "HND": AttnShape(8, 2, 32, 4, 32**-0.5, layout="HND"),
     "NHD": AttnShape(8, 2, 32, 4, 32**-0.5, layout="NHD"),
     "MLA": AttnShape(4, 1, 32, 4, 24**-0.5, mla=True, rope_dim=8),
-}
-GPU_SHAPES = {
-    "HND": AttnShape(8, 2, 128, 16, 128**-0.5, layout="HND"),
-    "NHD": AttnShape(8, 2, 128, 16, 128**-0.5, layout="NHD"),
-    "MLA": AttnShape(16, 1, 512, 16, 192**-0.5, mla=True, rope_dim=64),
 }
 PREFILL = [(0, 37), (50, 20), (129, 1), (16, 64)]  # (cached, new) per sequence: mixed chunks
 DECODE = [(0, 1), (17, 1), (300, 1), (63, 1)]
@@ -94,15 +90,15 @@ def test_a_sequence_without_enough_pages_is_rejected() -> None:
 
 def test_flashinfer_needs_cuda() -> None:
     with pytest.raises(ConfigError, match="CUDA"):
-        make_attention("flashinfer", GPU_SHAPES["HND"], torch.device("cpu"))
+        make_attention("flashinfer", FLASHINFER_SHAPES["GQA-HND"], torch.device("cpu"))
     with pytest.raises(ConfigError, match="CUDA"):
-        make_attention("flashinfer:cuda-cores", GPU_SHAPES["HND"], torch.device("cpu"))
+        make_attention("flashinfer:cuda-cores", FLASHINFER_SHAPES["GQA-HND"], torch.device("cpu"))
 
 
 def test_attention_choice_names_the_decode_kernel_or_the_choices() -> None:
     assert parse_attention("flashinfer:cuda-cores") == ("flashinfer", "cuda-cores")
     assert parse_attention("auto") == ("auto", None)
-    cpu = make_attention("auto", GPU_SHAPES["HND"], torch.device("cpu"))
+    cpu = make_attention("auto", FLASHINFER_SHAPES["GQA-HND"], torch.device("cpu"))
     assert isinstance(cpu, TorchAttention)
     for bad in ("flashinfer:fa9", "flash", "torch:fa2"):
         with pytest.raises(ConfigError, match=r"unknown attention .* flashinfer:fa2"):
@@ -122,19 +118,8 @@ def test_missing_flashinfer_says_how_to_install() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [PREFILL, DECODE], ids=["prefill", "decode"])
-@pytest.mark.parametrize("kind", ["HND", "NHD", "MLA"])
+@pytest.mark.parametrize("kind", list(FLASHINFER_SHAPES))
 def test_flashinfer_matches_reference(kind: str, lens: list[tuple[int, int]]) -> None:
-    shape = GPU_SHAPES[kind]
-    seqs, cache, q, q_pe = random_problem(shape, lens, seed=1)
-    dev = torch.device("cuda")
-    cache, q = cache.to(dev, torch.bfloat16), q.to(dev, torch.bfloat16)
-    q_pe = q_pe.to(dev, torch.bfloat16) if q_pe is not None else None
-    meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
-    fi, ref = make_attention("flashinfer", shape, dev), TorchAttention(shape)
-    fi.plan(meta)
-    ref.plan(meta)
-    got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
-    scale = want.abs().max().item()
-    err = (got - want).abs().max().item()
+    err, scale = error_against_reference(FLASHINFER_SHAPES[kind], lens, torch.device("cuda"), 1)
     assert err <= 2e-2 * max(1.0, scale), f"max error {err} (output scale {scale})"
     assert math.isfinite(err)

@@ -178,6 +178,31 @@ def random_problem(shape: AttnShape, lens: list[tuple[int, int]], seed: int = 0)
     return seqs, cache, q, q_pe
 
 
+# the sizes FlashInfer builds kernels for, as the GPU tests and benchmarks check them: GQA
+# head_dim 128 with group 4, HND and NHD; MLA latent 512 + rope 64, DeepSeek-V3's 1/sqrt(192)
+FLASHINFER_SHAPES = {
+    "GQA-HND": AttnShape(8, 2, 128, 16, 128**-0.5, layout="HND"),
+    "GQA-NHD": AttnShape(8, 2, 128, 16, 128**-0.5, layout="NHD"),
+    "MLA": AttnShape(16, 1, 512, 16, 192**-0.5, mla=True, rope_dim=64),
+}
+
+
+def error_against_reference(
+    shape: AttnShape, lens: list[tuple[int, int]], device: torch.device, seed: int = 0
+) -> tuple[float, float]:
+    """(max |FlashInfer - reference|, max |reference|) on one random paged problem with bf16
+    inputs (`random_problem`); FlashInfer's decode kernel as DECODE_BACKEND says."""
+    seqs, cache, q, q_pe = random_problem(shape, lens, seed)
+    cache, q = cache.to(device, torch.bfloat16), q.to(device, torch.bfloat16)
+    q_pe = q_pe.to(device, torch.bfloat16) if q_pe is not None else None
+    meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
+    fi, ref = make_attention("flashinfer", shape, device), TorchAttention(shape)
+    fi.plan(meta)
+    ref.plan(meta)
+    got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
 class TorchAttention(Attention):
     """The float32 reference: gathers each sequence's pages and runs dense causal attention."""
 
