@@ -98,6 +98,20 @@ Overrides = Annotated[
 ]
 
 
+def _progress(counts: str, quiet: bool = False) -> Progress:
+    """A transient progress bar: the task's name, a bar, `counts` (a format of the task's
+    fields) and the time elapsed."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn(counts),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet,
+    )
+
+
 def run_simulation(
     experiment: Path | None, overrides: list[str] | None, out: Path | None, quiet: bool = False
 ) -> tuple[Path, dict[str, Any]]:
@@ -116,14 +130,8 @@ def run_simulation(
     out = out or Path("runs") / exp.name
     start = time.perf_counter()
     sim = Sim(exp)
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} requests, {task.fields[t]:.0f} s simulated"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=quiet,
+    with _progress(
+        "{task.completed}/{task.total} requests, {task.fields[t]:.0f} s simulated", quiet
     ) as bar:
         task = bar.add_task(exp.name, total=len(sim.arrivals), t=0.0, visible=False)
 
@@ -277,10 +285,8 @@ def hw_run(
     on local devices, the workload replayed in real time; writes the same tables as sim run."""
     _hw_missing()
     from disagg.config import load_experiment
-    from disagg.hw.attention import parse_attention
     from disagg.hw.driver import HwOptions, run_hw
 
-    parse_attention(attention)
     exp = load_experiment(experiment, set_)
     out = out or Path("runs") / f"hw-{exp.name}"
     opts = HwOptions(
@@ -292,14 +298,7 @@ def hw_run(
         external=tuple(external or ()),
         bind=bind,
     )
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} requests"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    with _progress("{task.completed}/{task.total} requests") as bar:
         task = bar.add_task(f"{exp.name} (hw, {wire})", total=None)
         if external:
             console.print(

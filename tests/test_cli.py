@@ -122,8 +122,7 @@ def test_failed_requests_are_reported_with_their_reason(tmp_path: Path) -> None:
 def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
     """One row per experiment and value in sweep.csv, numbers kept as numbers and choices
     (the handoff) as text, and the figure written."""
-    exp = Path(__file__).parent.parent / "experiments" / "qwen3coder-disagg-1p3d.toml"
-    args = ["sim", "sweep", str(exp), "--set"]
+    args = ["sim", "sweep", str(EXPERIMENTS / "qwen3coder-disagg-1p3d.toml"), "--set"]
     short = [*args, "workload.duration_s=15", "--set", "transfer.control_latency_s=0.005"]
     res = runner.invoke(
         app, [*short, "--param", "transfer.handoff", "--values", "decode-first,parallel",

@@ -39,11 +39,13 @@ def _echo(endpoint: str, q: mp.Queue) -> None:
     assert got is not None
     sender, msg = got
     c.send(sender, TransferAborted(msg.req_id, f"echo from {c.name}"))
-    time.sleep(0.5)
+    for _ in range(20):  # 2 s of heartbeats only, then silence
+        c.heartbeat(0.0)
+        time.sleep(0.1)
     c.close()
 
 
-def test_two_processes_exchange_messages_and_a_silent_peer_is_dead() -> None:
+def test_two_processes_exchange_messages_heartbeats_keep_a_peer_alive_and_silence_kills() -> None:
     ctx = mp.get_context("spawn")
     me = Control("decode0", dead_after_s=1.0)
     q: mp.Queue = ctx.Queue()
@@ -53,8 +55,11 @@ def test_two_processes_exchange_messages_and_a_silent_peer_is_dead() -> None:
     me.send("prefill0", PrefillRequest(9, 0, 0, 10, (1,), 0))
     got = me.recv(10.0)
     assert got == ("prefill0", TransferAborted(9, "echo from prefill0"))
+    t = time.monotonic()
+    while time.monotonic() - t < 1.5:  # longer than dead_after_s: only heartbeats arrive
+        assert me.recv(0.1) is None  # heartbeats are not messages...
+    assert me.dead_peers() == []  # ...but they keep the peer alive
     p.join(10)
-    assert me.dead_peers() == []
     time.sleep(1.2)
     assert me.dead_peers() == ["prefill0"]
     me.close()

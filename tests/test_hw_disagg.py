@@ -87,7 +87,7 @@ def test_disaggregated_equals_colocated(
         # the hidden state handed over for MTP is the one colocated computed at that token
         assert np.isfinite(got.metadata_sum)
         assert got.metadata_sum == pytest.approx(ref.metadata_sum, rel=1e-4, abs=1e-3)
-    req = __import__("pandas").read_parquet(tmp_path / "disagg" / "requests.parquet")
+    req = pd.read_parquet(tmp_path / "disagg" / "requests.parquet")
     assert (req.ready_s >= req.prefill_end_s - 1e-3).all()
     assert (req.first_token_s >= req.ready_s).all()
 
@@ -187,6 +187,7 @@ def test_profile_measured_here_drives_the_simulator(tmp_path: Path) -> None:
         [f"cost.source=profile:{csv}"],
     )
     sim = Sim(exp)
+    assert all(isinstance(n.cost, ProfileCost) for n in [*sim.prefills, *sim.decodes])
     sim.run()
     assert all(r.status == "finished" for r in sim.requests.values())
     res = CliRunner().invoke(app, ["hw", "profile", "--model", "nope"])

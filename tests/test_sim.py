@@ -76,8 +76,7 @@ def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
     assert (both.prefill_start_s - both.arrival_s).min() == 0  # no hop before the prefill
     assert (first.prefill_start_s - first.arrival_s).min() >= 0.005 - 1e-9
     saved = first.ttft_s - both.ttft_s
-    assert saved.min() > 0.0049 and saved.max() < 0.0051
-    assert all(node.pool.used_pages == 0 for node in [*sim.prefills, *sim.decodes])
+    assert saved.min() > 0.0049 and saved.max() < 0.0051  # (no page leaked: Sim.check_end)
 
 
 def test_parallel_handoff_under_memory_pressure_evicts_early_starts_and_loses_nothing() -> None:
@@ -128,7 +127,6 @@ def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost(hando
     req = tables(sim)[0]
     assert len(req) == len(sim.arrivals) and (req.status == "failed").all()
     assert req.fail_reason.str.contains("KV pages on decode node").all()
-    assert all(node.pool.used_pages == 0 for node in [*sim.prefills, *sim.decodes])
 
 
 def test_a_model_that_does_not_fit_is_a_config_error() -> None:

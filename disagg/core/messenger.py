@@ -32,9 +32,8 @@ Protocol (DESIGN.md):
 
 from __future__ import annotations
 
-import collections
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -194,7 +193,7 @@ class DecodeMessenger:
         self._slot_of: dict[int, int] = {}  # req_id -> slot
         # freed slots are reused oldest first: a slot's metadata row stays untouched for as long
         # as possible after its request is ready (the decoder may still be reading it)
-        self._free_slots: collections.deque[int] = collections.deque()
+        self._free_slots: deque[int] = deque()
         self._next_slot = 0
         self.stale_immediates = 0
 
@@ -405,7 +404,7 @@ class PrefillMessenger:
         # parallel handoff, the two messages racing: a routed PrefillRequest that came before
         # the router's submission, and requests cancelled or refused before their other half
         self._early: dict[int, PrefillRequest] = {}
-        self._gone: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._gone: OrderedDict[int, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.parked) + len(self.outbound)

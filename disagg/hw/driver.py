@@ -110,8 +110,8 @@ def check_hw_experiment(exp: Experiment) -> None:
 
 class Driver:
     def __init__(self, exp: Experiment, opts: HwOptions) -> None:
-        check_hw_experiment(exp)
         parse_attention(opts.attention)  # a bad choice fails here, not in every server
+        check_hw_experiment(exp)
         self.exp, self.opts = exp, opts
         self.control = Control("driver", opts.bind, dead_after_s=30.0)
         self.configs = node_configs(exp, opts, self.control.endpoint)
