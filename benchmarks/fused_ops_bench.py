@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from disagg.hw.device import time_it
-from disagg.hw.model import FusedOps, TorchOps, rope_tables
+from disagg.hw.model import FusedOps, TorchOps, inv_freq, rope_tables
 from disagg.models import LLAMA_31_8B
 
 
@@ -32,14 +32,13 @@ def bench(t: int, dev: torch.device) -> list[dict[str, float | int | str]]:
     """Rows for `t` tokens: each step timed both ways, and their outputs compared."""
     s, g = LLAMA_31_8B, torch.Generator(device=dev).manual_seed(t)
     torch_ops, fused = TorchOps(), FusedOps()
-    inv_freq = 500_000.0 ** (-torch.arange(s.head_dim // 2, device=dev) / (s.head_dim // 2))
     h = torch.randn(t, s.hidden, device=dev, generator=g).bfloat16()
     w = torch.rand(s.hidden, device=dev, generator=g).bfloat16()
     gate_up = torch.randn(t, 2 * s.intermediate, device=dev, generator=g).bfloat16()
     qkv = torch.randn(t, s.heads + 2 * s.kv_heads, s.head_dim, device=dev, generator=g).bfloat16()
     work = qkv.clone()  # timed RoPE runs rotate this one in place, again and again
     pos = torch.randint(0, 32768, (t,), device=dev, generator=g)
-    tables = rope_tables(pos, inv_freq, torch.bfloat16)
+    tables = rope_tables(pos, inv_freq(s.head_dim, dev), torch.bfloat16)
 
     def qk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x[:, : s.heads], x[:, s.heads : s.heads + s.kv_heads]

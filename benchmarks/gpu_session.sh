@@ -23,7 +23,7 @@ nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
   --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
-  --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20
+  --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \
   --decode-device "$D" --spacing-s "${SPACING:-3}" --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"

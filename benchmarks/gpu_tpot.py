@@ -28,13 +28,10 @@ import pandas as pd
 
 from disagg.config import build_experiment
 from disagg.core.metrics import read_results
+from disagg.hw.device import resolve_device
 from disagg.hw.driver import HwOptions, run_hw
 
 FIELDS = ["completed", "tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]
-
-
-def device(arg: str) -> str:
-    return arg if arg.startswith(("cpu", "cuda")) else f"cuda:{arg}"
 
 
 def experiment(args: argparse.Namespace, mode: str, load: float) -> dict:
@@ -86,7 +83,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_tpot"))
     args = ap.parse_args()
-    pdev, ddev = device(args.prefill_device), device(args.decode_device)
+    pdev, ddev = (str(resolve_device(a)) for a in (args.prefill_device, args.decode_device))
     loads = [float(x) for x in args.loads.split(",")]
     rows, runs = [], []
     for load in loads:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +35,13 @@ import pandas as pd
 import torch
 
 from disagg.config import build_experiment
+from disagg.hw.device import resolve_device, time_it
 from disagg.hw.driver import HwOptions, run_hw
 from disagg.models import get_model
 
-REPEATS = int(__import__("os").environ.get("DISAGG_REPEATS", "3"))
-LAYERS = int(__import__("os").environ.get("DISAGG_LAYERS", "0"))  # dry runs: cut the depth
-PAGE = int(__import__("os").environ.get("DISAGG_PAGE", "16"))
+REPEATS = int(os.environ.get("DISAGG_REPEATS", "3"))
+LAYERS = int(os.environ.get("DISAGG_LAYERS", "0"))  # dry runs: cut the depth
+PAGE = int(os.environ.get("DISAGG_PAGE", "16"))
 
 
 def trace(path: Path, prompts: list[int], spacing_s: float) -> Path:
@@ -90,10 +93,6 @@ def verdict(lo: float, hi: float, bound: float) -> str:
     return "yes" if hi <= bound else "no" if lo > bound else "at the line"
 
 
-def device(arg: str) -> str:
-    return arg if arg.startswith(("cpu", "cuda")) else f"cuda:{arg}"
-
-
 def experiment(
     model: str, mode: str, policy: str, trace_path: Path, budget: int, handoff: str
 ) -> dict:
@@ -110,23 +109,11 @@ def experiment(
 
 
 def copy_bandwidth(dev: str, nbytes: int) -> float:
-    """Bytes/s of a plain device-to-device copy of `nbytes` (median of 20, after warm-up)."""
+    """Bytes copied per second by a plain device-to-device copy of `nbytes` (counted once, not
+    read plus write; median of 20 after 5 warm-ups)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    if not dev.startswith("cuda"):
-        t = time.perf_counter()
-        b.copy_(a)
-        return nbytes / (time.perf_counter() - t)
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times)
+    return nbytes / statistics.median(time_it(partial(b.copy_, a), a.device, warmup=5, repeats=20))
 
 
 def main() -> None:
@@ -140,7 +127,7 @@ def main() -> None:
     ap.add_argument("--spacing-s", type=float, default=6.0)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_ttft"))
     args = ap.parse_args()
-    pdev, ddev = device(args.prefill_device), device(args.decode_device)
+    pdev, ddev = (str(resolve_device(a)) for a in (args.prefill_device, args.decode_device))
     prompts = [int(p) for p in args.prompts.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     tpath = trace(Path(tempfile.mkdtemp()) / "ttft.jsonl", prompts, args.spacing_s)
@@ -184,7 +171,10 @@ def main() -> None:
     for n in prompts:
         layer_s = n * kv_layer / bw
         bound = layer_s + decode_step["colocated"][n]
-        gaps = {k: gap_interval(samples["colocated"][n], samples[k][n]) for k in runs}
+        gaps = {
+            k: gap_interval(samples["colocated"][n], samples[k][n])
+            for k in ("layerwise", "parallel")
+        }
         rows.append(
             {
                 "prompt tokens": n,
@@ -209,10 +199,10 @@ def main() -> None:
         for n in prompts
     )
     extra = (
-        f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; batch-1 decode pass (ms, colocated / "
-        f"disaggregated) by prompt length: {passes}\nintervals: 90% bootstrap intervals of the "
-        "median difference (requests resampled); within bound: yes / no when the whole interval "
-        "is on one side of the bound\n"
+        f"\ncopy bandwidth (bytes copied per second) {bw / 1e9:.0f} GB/s; batch-1 decode pass "
+        f"(ms, colocated / disaggregated) by prompt length: {passes}\n"
+        "intervals: 90% bootstrap intervals of the median difference (requests resampled); "
+        "within bound: yes / no when the whole interval is on one side of the bound\n"
     )
     parts = [f"\n{label} (ms, medians)\n\n{df.to_markdown()}\n" for label, df in stages.items()]
     (args.out / "gpu_ttft.md").write_text(md + "\n" + extra + "".join(parts))

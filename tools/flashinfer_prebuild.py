@@ -26,8 +26,9 @@ from pathlib import Path
 def warm(model: str, page_size: int) -> None:
     """Child: one prefill and one graph decode pass of a one-layer `model` (builds its kernels).
     `model@a+b` runs only the decode pass, with each of a, b: a decode kernel
-    (attention.DECODE_BACKEND) or `fused` (model.FUSED_OPS: FlashInfer's norm, activation and
-    RoPE kernels)."""
+    (attention.DECODE_BACKEND) or `fused` (model.FUSED_OPS, on by default: only useful with
+    DISAGG_FUSED_OPS=0 in the environment)."""
+    from disagg.core.kvcache import pages_for
     from disagg.hw import attention
     from disagg.hw import model as model_mod
     from disagg.hw.batch import Seq
@@ -46,11 +47,12 @@ def warm(model: str, page_size: int) -> None:
     for layout in ("HND", "NHD"):
         if spec.attention == "mla" and layout == "NHD":
             continue
-        runner = Runner(net, net.new_cache(64, page_size, layout), graph_batches=(1,))
+        pages = range(pages_for(49, page_size))  # 40 + 8 + 1 tokens
+        runner = Runner(net, net.new_cache(len(pages) + 8, page_size, layout), graph_batches=(1,))
         if not kernel:  # a decode kernel alone needs no prefill pass
-            runner.step([Seq.of(range(40), 0, range(4))])
-            runner.step([Seq.of(range(8), 40, range(4))])
-        runner.step([Seq.of([1], 48, range(4))], sample=True)
+            runner.step([Seq.of(range(40), 0, pages)])
+            runner.step([Seq.of(range(8), 40, pages)])
+        runner.step([Seq.of([1], 48, pages)], sample=True)
     print(f"{model}{'@' + kernel if kernel else ''}: kernels built", flush=True)
 
 

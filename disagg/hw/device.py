@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -12,7 +13,10 @@ from disagg.errors import ConfigError
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """A torch device from a name ("cpu", "cuda", "cuda:1"); ConfigError if it does not exist."""
+    """A torch device from a name ("cpu", "cuda", "cuda:1", or "1" for cuda:1); ConfigError if
+    it does not exist."""
+    if isinstance(device, str) and device.isdigit():
+        device = f"cuda:{device}"
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -49,6 +53,12 @@ def check_fits(device: torch.device, nbytes: int, what: str) -> None:
         )
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Inside the block `device` is the current CUDA device (the one whose streams, events and
+    graphs un-placed calls use); nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def time_it(
     fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int
 ) -> list[float]:
@@ -66,14 +76,15 @@ def time_it(
             fn()
             out.append(time.perf_counter() - t0)
         return out
-    torch.cuda.synchronize(device)
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(repeats)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
+    with on_device(device):  # events on the stream `fn` runs on
+        torch.cuda.synchronize(device)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
     return [start.elapsed_time(end) / 1e3 for start, end in events]

@@ -90,6 +90,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def inv_freq(rope_dim: int, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies for `rope_dim` rotated dimensions (theta ROPE_THETA, the one
+    FlashInfer's fused RoPE is given)."""
+    half = rope_dim // 2
+    return ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+
+
 def rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +196,7 @@ class Transformer:
         self.final_norm = w.ones(h)
         self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5)
         w.pool.shutdown()
-        half = self.rope_dim // 2
-        self.inv_freq = ROPE_THETA ** (
-            -torch.arange(half, dtype=torch.float32, device=self.device) / half
-        )
+        self.inv_freq = inv_freq(self.rope_dim, self.device)
 
     # ---- weights ---------------------------------------------------------------------------
     def _attn_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -213,14 +217,15 @@ class Transformer:
             shapes["w_q"] = (s.heads * qk, s.hidden)
         return shapes
 
-    def _layer_shapes(self) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each layer weight's shape (GEMM weights are (out, in))."""
         s = self.spec
         mlp = {"w_gate_up": (2 * s.intermediate, s.hidden), "w_down": (s.hidden, s.intermediate)}
         return self._attn_shapes() | mlp
 
     def weight_bytes(self) -> int:
         """Bytes of every weight this model allocates (norms excluded)."""
-        per_layer = sum(math.prod(v) for v in self._layer_shapes().values())
+        per_layer = sum(math.prod(v) for v in self.layer_shapes().values())
         total = self.spec.layers * per_layer + 2 * self.spec.vocab * self.spec.hidden
         return total * torch.empty((), dtype=self.dtype).element_size()
 
@@ -228,7 +233,7 @@ class Transformer:
         s = self.spec
         out_scale = (2 * s.layers) ** -0.5
         layer = {"ln1": w.ones(s.hidden), "ln2": w.ones(s.hidden)}
-        for name, shape in self._layer_shapes().items():
+        for name, shape in self.layer_shapes().items():
             std = shape[-1] ** -0.5 * (out_scale if name in ("wo", "w_down") else 1.0)
             layer[name] = w.uniform(f"layer{i}.{name}", shape, std)
         if self.mla:

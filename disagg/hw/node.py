@@ -37,6 +37,7 @@ from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
 from disagg.errors import DisaggError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control, register
+from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
 from disagg.hw.runner import LayerWatcher, Runner
 from disagg.hw.transport import make_transport
@@ -187,6 +188,8 @@ class Server:
         self.cfg = cfg
         if cfg.device == "cpu":  # a server shares the CPU with its peers and the driver
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        else:  # one GPU per server: its current device (streams, events, graphs, kernels)
+            torch.cuda.set_device(resolve_device(cfg.device))
         self.exp = Experiment.model_validate(cfg.experiment)
         self.spec = self.exp.model.spec
         self.layers = self.spec.layers

@@ -19,6 +19,7 @@ from disagg.errors import ConfigError
 from disagg.hw.attention import AttnShape, FlashInferAttention, make_attention
 from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
+from disagg.hw.device import on_device
 from disagg.hw.model import ForwardOut, Transformer
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -201,7 +202,8 @@ class Runner:
     def _graph(self, batch: int) -> _DecodeGraph | None:
         if batch not in self._graphs and not self.graph_error:
             try:
-                self._graphs[batch] = _DecodeGraph(self, batch)
+                with on_device(self.device):  # capture on this device's streams
+                    self._graphs[batch] = _DecodeGraph(self, batch)
             except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
                 self.graph_error = f"CUDA graph capture failed, decode runs eagerly: {e}"
                 warnings.warn(self.graph_error, stacklevel=3)
@@ -220,6 +222,10 @@ class Runner:
 
     def step(self, batch: Sequence[Seq], *, sample: bool = False) -> StepOutput:
         """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`)."""
+        with on_device(self.device):  # its streams, graphs and kernels, whatever is current
+            return self._step(batch, sample)
+
+    def _step(self, batch: Sequence[Seq], sample: bool) -> StepOutput:
         meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
         before = self.steps * self.model.spec.layers
         graph = self._graph_for(meta)
