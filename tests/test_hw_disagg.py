@@ -45,6 +45,14 @@ def experiment(
     }
 
 
+# the disaggregated tiny-gqa experiment as a file, for the command-line tests
+TINY_TOML = (
+    'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
+    "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
+    "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
+)
+
+
 def run(tmp_path: Path, name: str, data: dict) -> tuple[dict, dict]:
     exp = build_experiment(data)
     summary, state = run_hw(
@@ -122,11 +130,7 @@ def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
         build_experiment(data), HwOptions(wire="tcp", num_pages=128, external=("decode0",))
     )
     toml = tmp_path / "e.toml"
-    toml.write_text(
-        'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
-        "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
-        "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
-    )
+    toml.write_text(TINY_TOML)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -274,10 +278,7 @@ def test_cli_hw_run_waits_for_an_external_server_on_its_bound_socket(tmp_path: P
 
     toml = tmp_path / "e.toml"
     toml.write_text(
-        'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
-        "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
-        "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
-        "[workload]\nrate_per_s = 50\nnum_requests = 4\n"
+        TINY_TOML + "[workload]\nrate_per_s = 50\nnum_requests = 4\n"
         'prompt_tokens = {dist = "uniform", low = 6, high = 30}\n'
         'output_tokens = {dist = "uniform", low = 3, high = 7}\n'
     )
