@@ -2,6 +2,7 @@
 # One device call on a lent H200 machine: install the carried wheels, build FlashInfer's kernels
 # once, run the kernel/wire benchmark, the TTFT benchmark, then the GPU tests.
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
+# BENCH_ARGS='--only copy transfer' passes arguments to gpu_bench.py;
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
 # decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
 # machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py;
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
   --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
-[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py --prefill-device "$P" \
+[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py ${BENCH_ARGS:-} --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \

@@ -13,10 +13,11 @@ transfer (a prefill process and a decode process; on one GPU they share it). Pro
 first request of each run is a warm-up and is left out. TTFT is measured by the driver's wall
 clock from arrival to the first token.
 
-The target (issue 4): layer-wise disaggregated TTFT within one layer's transfer plus one decode
-step of colocated. One layer's transfer is that layer's KV bytes at the bandwidth of a plain
-device copy measured here; the decode step is the colocated run's median batch-1 decode pass
-at that prompt length (the KV read grows with the context).
+The target (issues 4 and 6): layer-wise disaggregated TTFT within one layer's transfer plus
+one decode step of colocated. One layer's transfer is that layer's KV bytes at the bandwidth of
+a plain copy from the prefill device to the decode device measured here (a peer copy on two
+GPUs); the decode step is the colocated run's median batch-1 decode pass at that prompt length
+(the KV read grows with the context). The colocated run uses the decode device.
 """
 
 from __future__ import annotations
@@ -108,11 +109,11 @@ def experiment(
     }
 
 
-def copy_bandwidth(dev: str, nbytes: int) -> float:
-    """Bytes copied per second by a plain device-to-device copy of `nbytes` (counted once, not
-    read plus write; median of 20 after 5 warm-ups)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
+def copy_bandwidth(src: str, dst: str, nbytes: int) -> float:
+    """Bytes copied per second by a plain copy of `nbytes` from device `src` to `dst` (a peer
+    copy on two GPUs; counted once, not read plus write; median of 20 after 5 warm-ups)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
     return nbytes / statistics.median(time_it(partial(b.copy_, a), a.device, warmup=5, repeats=20))
 
 
@@ -166,7 +167,7 @@ def main() -> None:
             flush=True,
         )
     kv_layer = get_model(args.model).kv_bytes_per_token_per_layer("bf16")
-    bw = copy_bandwidth(pdev, max(prompts) * kv_layer)
+    bw = copy_bandwidth(pdev, ddev, max(prompts) * kv_layer)
     rows = []
     for n in prompts:
         layer_s = n * kv_layer / bw

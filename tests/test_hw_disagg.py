@@ -219,6 +219,34 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
     model: str, layout: str, handoff: str, tmp_path: Path
 ) -> None:
     """bf16 + FlashInfer, two processes on one GPU exchanging pages by CUDA IPC peer copies."""
+    gpu_equals_colocated(model, layout, handoff, "cuda:0", tmp_path)
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="needs two CUDA GPUs (runs on nvidia-h200-x2)",
+)
+@pytest.mark.parametrize(
+    ("model", "layout", "handoff"),
+    [
+        ("llama-3.1-8b", "HND", "decode-first"),
+        ("llama-3.1-8b", "HND", "parallel"),
+        ("deepseek-v3", "NHD", "decode-first"),
+    ],
+)
+def test_gpu_two_devices_disaggregated_equals_colocated(
+    model: str, layout: str, handoff: str, tmp_path: Path
+) -> None:
+    """Prefill on cuda:0, decode (and the colocated run) on cuda:1: pages cross by peer copies
+    into the decoder's memory, mapped in the prefill GPU's context."""
+    gpu_equals_colocated(model, layout, handoff, "cuda:1", tmp_path)
+
+
+def gpu_equals_colocated(
+    model: str, layout: str, handoff: str, decode_device: str, tmp_path: Path
+) -> None:
     out = {}
     for mode, budget in (("colocated", 4096), ("disagg", 48)):
         data = experiment(model, mode, layout, budget, handoff)
@@ -228,7 +256,7 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
         opts = HwOptions(
             wire="cuda",
             prefill_device="cuda:0",
-            decode_device="cuda:0",
+            decode_device=decode_device,
             num_pages=256,
             return_logits=True,
         )
