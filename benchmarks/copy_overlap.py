@@ -6,14 +6,16 @@ On two GPUs the layer-wise disaggregated prefill of 32k tokens ran about 30 ms (
 than the same prefill with whole-request transfer, on either GPU, while the copies it overlapped
 add up to 11 ms. This runs a bf16 GEMM loop (8192^3, compute-bound like long-prompt attention)
 on the compute device alone, then with 32 copies of `--layer-mib` MiB issued on a side stream
-at the same time, the way the cuda wire posts them: through torch (`copy_`) and through the
-driver (`cuMemcpyDtoDAsync`, the wire's path to another GPU). The destination is `--copy-to`
-(another GPU: a peer copy over NVLink; the same GPU: a local copy). Medians of `--repeats`.
+at the same time, the way the cuda wire posts them: through torch (`copy_`), through the driver
+(`cuMemcpyDtoDAsync`, the wire's path to another GPU) and through `cuMemcpyPeerAsync` (each side
+named with its context). The destination is `--copy-to` (another GPU: a peer copy over NVLink;
+the same GPU: a local copy). Medians of `--repeats`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -44,12 +46,27 @@ def main() -> None:
     src = [torch.ones(nbytes, dtype=torch.uint8, device=dev) for _ in range(args.layers)]
     dst = [torch.empty(nbytes, dtype=torch.uint8, device=dst_dev) for _ in range(args.layers)]
     side = torch.cuda.Stream(dev)
+    lib = cudadriver._lib()
+    ctx = {}
+    for d in {dev.index, dst_dev.index}:  # the primary contexts torch made current on each GPU
+        ctx[d] = ctypes.c_void_p()
+        lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx[d]), ctypes.c_int(d))
 
     def post(how: str) -> None:
         with torch.cuda.stream(side):
             for s, d in zip(src, dst, strict=True):
                 if how == "torch":
                     d.copy_(s, non_blocking=True)
+                elif how == "peer":  # cuMemcpyPeerAsync, each side named with its context
+                    err = lib.cuMemcpyPeerAsync(
+                        ctypes.c_uint64(d.data_ptr()),
+                        ctx[dst_dev.index],
+                        ctypes.c_uint64(s.data_ptr()),
+                        ctx[dev.index],
+                        ctypes.c_size_t(nbytes),
+                        ctypes.c_void_p(side.cuda_stream),
+                    )
+                    assert err == 0, f"cuMemcpyPeerAsync: error {err}"
                 else:
                     cudadriver.copy_async(d.data_ptr(), s.data_ptr(), nbytes, side.cuda_stream)
 
@@ -77,8 +94,10 @@ def main() -> None:
         ("gemms alone", None, args.gemms),
         ("copies alone (torch)", "torch", 0),
         ("copies alone (driver)", "driver", 0),
+        ("copies alone (driver, peer)", "peer", 0),
         ("gemms + copies (torch)", "torch", args.gemms),
         ("gemms + copies (driver)", "driver", args.gemms),
+        ("gemms + copies (driver, peer)", "peer", args.gemms),
     ]:
         run(copies, min(gemms, 5))  # warm-up
         times = [run(copies, gemms) for _ in range(args.repeats)]
