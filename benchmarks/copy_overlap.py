@@ -8,7 +8,8 @@ add up to 11 ms. This runs a bf16 GEMM loop (8192^3, compute-bound like long-pro
 on the compute device alone, then with 32 copies of `--layer-mib` MiB issued on a side stream
 at the same time, the way the cuda wire posts them: through torch (`copy_`), through the driver
 (`cuMemcpyDtoDAsync`, the wire's path to another GPU) and through `cuMemcpyPeerAsync` (each side
-named with its context). The destination is `--copy-to` (another GPU: a peer copy over NVLink;
+named with its context), issued on the source GPU's stream or (pulled) the destination's.
+The destination is `--copy-to` (another GPU: a peer copy over NVLink;
 the same GPU: a local copy). Medians of `--repeats`.
 """
 
@@ -46,6 +47,7 @@ def main() -> None:
     src = [torch.ones(nbytes, dtype=torch.uint8, device=dev) for _ in range(args.layers)]
     dst = [torch.empty(nbytes, dtype=torch.uint8, device=dst_dev) for _ in range(args.layers)]
     side = torch.cuda.Stream(dev)
+    pull = torch.cuda.Stream(dst_dev)  # the copy issued on the destination GPU's stream
     lib = cudadriver._lib()
     ctx = {}
     for d in {dev.index, dst_dev.index}:  # the primary contexts torch made current on each GPU
@@ -53,7 +55,8 @@ def main() -> None:
         lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx[d]), ctypes.c_int(d))
 
     def post(how: str) -> None:
-        with torch.cuda.stream(side):
+        stream = pull if how == "pull" else side
+        with torch.cuda.stream(stream):
             for s, d in zip(src, dst, strict=True):
                 if how == "torch":
                     d.copy_(s, non_blocking=True)
@@ -68,7 +71,7 @@ def main() -> None:
                     )
                     assert err == 0, f"cuMemcpyPeerAsync: error {err}"
                 else:
-                    cudadriver.copy_async(d.data_ptr(), s.data_ptr(), nbytes, side.cuda_stream)
+                    cudadriver.copy_async(d.data_ptr(), s.data_ptr(), nbytes, stream.cuda_stream)
 
     def run(copies: str | None, gemms: int) -> tuple[float, float]:
         """(GEMM loop seconds, copies seconds), each timed by events on its own stream."""
@@ -77,9 +80,9 @@ def main() -> None:
         c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         g0.record()
         if copies:
-            c0.record(side)
+            c0.record(pull if copies == "pull" else side)
             post(copies)
-            c1.record(side)
+            c1.record(pull if copies == "pull" else side)
         for _ in range(gemms):
             torch.matmul(a, a, out=c)
         g1.record()
@@ -89,15 +92,18 @@ def main() -> None:
 
     if dst_dev != dev:  # let torch enable peer access both ways before anything is timed
         dst[0][:1].copy_(src[0][:1])
+        src[0][:1].copy_(dst[0][:1])
     results = {}
     for label, copies, gemms in [
         ("gemms alone", None, args.gemms),
         ("copies alone (torch)", "torch", 0),
         ("copies alone (driver)", "driver", 0),
         ("copies alone (driver, peer)", "peer", 0),
+        ("copies alone (driver, pulled)", "pull", 0),
         ("gemms + copies (torch)", "torch", args.gemms),
         ("gemms + copies (driver)", "driver", args.gemms),
         ("gemms + copies (driver, peer)", "peer", args.gemms),
+        ("gemms + copies (driver, pulled)", "pull", args.gemms),
     ]:
         run(copies, min(gemms, 5))  # warm-up
         times = [run(copies, gemms) for _ in range(args.repeats)]
