@@ -31,7 +31,7 @@ cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
-cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot.png "$OUT"/ 2>/dev/null
+cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"

@@ -9,9 +9,12 @@ colocated server's decode steps stall whenever a prefill chunk joins them. Poiss
 each load (requests/s), prompts and outputs of fixed length, the same seed for both modes:
 colocated runs on the decode device with chunked prefill (token budget --chunk), disaggregated
 runs the prefill on the prefill device and decodes on the decode device. Per run: TPOT and
-inter-token latency percentiles (`disagg sim` summary fields), and a figure of every decode
-pass over time (colocated: the passes that carried prefill tokens stand out), one panel per run.
-Meant for two GPUs (`nvidia-h200-x2`); on one GPU the two processes would share it.
+inter-token latency percentiles (`disagg sim` summary fields). Two figures: gpu_tpot.png, each
+request's TPOT over time (by its first token), both modes in one panel per load; and
+gpu_tpot_passes.png, every pass of the decoding GPU over time (colocated: the passes that
+carried prefill tokens stand out), one panel per run. `--replot` redraws both and the table from
+the run directories already under --out. Meant for two GPUs (`nvidia-h200-x2`); on one GPU the
+two processes would share it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from disagg.config import build_experiment
@@ -32,12 +36,13 @@ from disagg.hw.device import resolve_device
 from disagg.hw.driver import HwOptions, run_hw
 
 FIELDS = ["completed", "tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]
+MODES = ("colocated", "disagg")
 
 
 def experiment(args: argparse.Namespace, mode: str, load: float) -> dict:
     colocated = {"nodes": 1, "tp": 1, "token_budget": args.chunk, "max_batch": args.max_batch}
     return {
-        "name": f"{mode}-{load:g}rps",
+        "name": run_name(mode, load),
         "seed": 0,
         "model": {"name": args.model, "weight_dtype": "bf16"},
         "cluster": {
@@ -68,6 +73,70 @@ def pass_timeline(ax: plt.Axes, steps: pd.DataFrame, title: str) -> None:
     ax.legend(fontsize=7, markerscale=3, loc="upper right")
 
 
+def tpot_timeline(ax: plt.Axes, out: Path, load: float) -> None:
+    """Each request's TPOT against the time of its first token, both modes at one load."""
+    for mode, colour in zip(MODES, ("tab:red", "tab:blue"), strict=True):
+        req = read_results(out / run_name(mode, load))[0]
+        req = req[req.status == "finished"].sort_values("first_token_s")
+        ax.plot(req.first_token_s, req.tpot_s * 1e3, ".-", ms=3, lw=0.6, c=colour, label=mode)
+    ax.set_title(f"{load:g} requests/s", fontsize=9)
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def run_name(mode: str, load: float) -> str:
+    return f"{mode}-{load:g}rps"
+
+
+def measure(args: argparse.Namespace, loads: list[float]) -> None:
+    pdev, ddev = (str(resolve_device(a)) for a in (args.prefill_device, args.decode_device))
+    for load in loads:
+        for mode in MODES:
+            t = time.perf_counter()
+            exp = build_experiment(experiment(args, mode, load))
+            opts = HwOptions(
+                wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
+            )
+            summary, _ = run_hw(exp, opts, args.out / exp.name)
+            print(f"{exp.name}: {summary['completed']} requests, {time.perf_counter() - t:.0f} s")
+
+
+def report(out: Path, loads: list[float]) -> None:
+    """The table (gpu_tpot.md) and both figures, from the run directories under `out`."""
+    rows = []
+    for load in loads:
+        for mode in MODES:
+            summary = read_results(out / run_name(mode, load))[3]
+            rows.append(
+                {
+                    "load (req/s)": load,
+                    "mode": mode,
+                    "GPUs": summary["gpus"],
+                    "completed": summary["completed"],
+                    **{f.replace("_s_", " (ms) "): 1e3 * summary[f] for f in FIELDS[1:]},
+                    "output tok/s per GPU": round(summary["output_tps_per_gpu"]),
+                }
+            )
+    md = pd.DataFrame(rows).round(2).to_markdown(index=False)
+    (out / "gpu_tpot.md").write_text(md + "\n")
+    print(md)
+    fig, axes = plt.subplots(len(loads), 1, figsize=(10, 2.6 * len(loads)), sharex=True)
+    for ax, load in zip(np.atleast_1d(axes), loads, strict=True):
+        tpot_timeline(ax, out, load)
+    np.atleast_1d(axes)[-1].set_xlabel("time of the first token (s)")
+    fig.tight_layout()
+    fig.savefig(out / "gpu_tpot.png", dpi=110)
+    runs = [run_name(m, load) for load in loads for m in MODES]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), sharex=True)
+    for ax, name in zip(axes, runs, strict=True):
+        pass_timeline(ax, read_results(out / name)[1], name)
+    axes[-1].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "gpu_tpot_passes.png", dpi=110)
+    print(f"wrote {out / 'gpu_tpot.png'} and {out / 'gpu_tpot_passes.png'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefill-device", default="0")
@@ -82,34 +151,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="colocated prefill token budget")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_tpot"))
+    ap.add_argument("--replot", action="store_true", help="only redraw from the runs in --out")
     args = ap.parse_args()
-    pdev, ddev = (str(resolve_device(a)) for a in (args.prefill_device, args.decode_device))
     loads = [float(x) for x in args.loads.split(",")]
-    rows, runs = [], []
-    for load in loads:
-        for mode in ("colocated", "disagg"):
-            t = time.perf_counter()
-            exp = build_experiment(experiment(args, mode, load))
-            opts = HwOptions(
-                wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
-            )
-            summary, _ = run_hw(exp, opts, args.out / exp.name)
-            rows.append({"load (req/s)": load, "mode": mode, **{f: summary[f] for f in FIELDS}})
-            runs.append(exp.name)
-            print(f"{exp.name}: {summary['completed']} requests, {time.perf_counter() - t:.0f} s")
-    table = pd.DataFrame(rows)
-    for f in FIELDS[1:]:
-        table[f.replace("_s_", " (ms) ")] = (1e3 * table.pop(f)).round(2)
-    md = table.to_markdown(index=False)
-    (args.out / "gpu_tpot.md").write_text(md + "\n")
-    print(md)
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), sharex=True)
-    for ax, name in zip(axes, runs, strict=True):
-        pass_timeline(ax, read_results(args.out / name)[1], name)
-    axes[-1].set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(args.out / "gpu_tpot.png", dpi=110)
-    print(f"wrote {args.out / 'gpu_tpot.png'}")
+    if not args.replot:
+        measure(args, loads)
+    report(args.out, loads)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""The GPU benchmark scripts' CPU dry runs: real processes over the tcp wire with a tiny model,
+so a script that only runs on lent GPUs does not rot between device sessions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("zmq")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_tpot_dry_run_writes_its_table_and_figures(tmp_path: Path) -> None:
+    args = ["--prefill-device", "cpu", "--decode-device", "cpu", "--wire", "tcp"]
+    args += ["--model", "tiny-gqa", "--loads", "5", "--duration-s", "1.5", "--prompt", "96"]
+    args += ["--output", "12", "--chunk", "32", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_tpot.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "gpu_tpot.md").read_text().splitlines()
+    assert len(table) == 4 and "colocated" in table[2] and "disagg" in table[3]
+    assert (tmp_path / "gpu_tpot.png").stat().st_size > 10_000
+    assert (tmp_path / "gpu_tpot_passes.png").stat().st_size > 10_000
+    co = pd.read_parquet(tmp_path / "colocated-5rps" / "requests.parquet")
+    dis = pd.read_parquet(tmp_path / "disagg-5rps" / "requests.parquet")
+    assert len(co) == len(dis) > 0  # the same seeded arrivals in both modes
+    assert (co.status == "finished").all() and (dis.status == "finished").all()
+    steps = pd.read_parquet(tmp_path / "disagg-5rps" / "steps.parquet")
+    decode = steps[steps.node.str.startswith("decode")]
+    assert len(decode) > 0 and (decode.prefill_tokens == 0).all()  # the decoder never prefills
+    chunks = pd.read_parquet(tmp_path / "colocated-5rps" / "steps.parquet").prefill_tokens
+    assert 0 < chunks.max() <= 32  # colocated prefills in chunks of the token budget
+    # --replot redraws the same table from the run directories alone
+    (tmp_path / "gpu_tpot.md").unlink()
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_tpot.py"), *args, "--replot"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "gpu_tpot.md").read_text().splitlines() == table
