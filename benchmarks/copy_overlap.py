@@ -6,18 +6,20 @@ On two GPUs the layer-wise disaggregated prefill of 32k tokens ran about 30 ms (
 than the same prefill with whole-request transfer, on either GPU, while the copies it overlapped
 add up to 11 ms. This runs a bf16 GEMM loop (8192^3, compute-bound like long-prompt attention)
 on the compute device alone, then with 32 copies of `--layer-mib` MiB issued on a side stream
-at the same time, the way the cuda wire posts them: through torch (`copy_`), through the driver
-(`cuMemcpyDtoDAsync`, the wire's path to another GPU) and through `cuMemcpyPeerAsync` (each side
-named with its context), issued on the source GPU's stream or (pulled) the destination's.
-The destination is `--copy-to` (another GPU: a peer copy over NVLink;
-the same GPU: a local copy). Medians of `--repeats`.
+at the same time, the way the cuda wire posts them: through torch (`copy_`); through the driver
+(`cuMemcpyDtoDAsync`, the wire's path to another GPU), also pulled (issued on the destination
+GPU's stream); through `cuMemcpyPeerAsync` (each side named with its context); and through the
+runtime's `cudaMemcpyAsync`. The destination is `--copy-to` (another GPU: a peer copy over
+NVLink; the same GPU: a local copy). Medians of `--repeats`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +28,17 @@ import torch
 
 from disagg.hw.device import resolve_device
 from disagg.hw.transport import cudadriver
+
+
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded (by soname), or the first libcudart found beside torch."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    return ctypes.CDLL(sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True))[0])
 
 
 def main() -> None:
@@ -48,7 +61,7 @@ def main() -> None:
     dst = [torch.empty(nbytes, dtype=torch.uint8, device=dst_dev) for _ in range(args.layers)]
     side = torch.cuda.Stream(dev)
     pull = torch.cuda.Stream(dst_dev)  # the copy issued on the destination GPU's stream
-    lib = cudadriver._lib()
+    lib, rt = cudadriver._lib(), cudart()
     ctx = {}
     for d in {dev.index, dst_dev.index}:  # the primary contexts torch made current on each GPU
         ctx[d] = ctypes.c_void_p()
@@ -70,6 +83,15 @@ def main() -> None:
                         ctypes.c_void_p(side.cuda_stream),
                     )
                     assert err == 0, f"cuMemcpyPeerAsync: error {err}"
+                elif how == "runtime":  # cudaMemcpyAsync, device to device, as torch's copy_
+                    err = rt.cudaMemcpyAsync(
+                        ctypes.c_void_p(d.data_ptr()),
+                        ctypes.c_void_p(s.data_ptr()),
+                        ctypes.c_size_t(nbytes),
+                        ctypes.c_int(3),
+                        ctypes.c_void_p(stream.cuda_stream),
+                    )
+                    assert err == 0, f"cudaMemcpyAsync: error {err}"
                 else:
                     cudadriver.copy_async(d.data_ptr(), s.data_ptr(), nbytes, stream.cuda_stream)
 
@@ -100,10 +122,12 @@ def main() -> None:
         ("copies alone (driver)", "driver", 0),
         ("copies alone (driver, peer)", "peer", 0),
         ("copies alone (driver, pulled)", "pull", 0),
+        ("copies alone (runtime)", "runtime", 0),
         ("gemms + copies (torch)", "torch", args.gemms),
         ("gemms + copies (driver)", "driver", args.gemms),
         ("gemms + copies (driver, peer)", "peer", args.gemms),
         ("gemms + copies (driver, pulled)", "pull", args.gemms),
+        ("gemms + copies (runtime)", "runtime", args.gemms),
     ]:
         run(copies, min(gemms, 5))  # warm-up
         times = [run(copies, gemms) for _ in range(args.repeats)]
