@@ -159,7 +159,10 @@ def run_simulation(
 def sim_run(
     experiment: Annotated[
         Path | None,
-        typer.Argument(help="Experiment TOML file (default: the built-in R1 1P:3D experiment)"),
+        typer.Argument(
+            help="Experiment TOML file, or a run directory to rerun its experiment (default: "
+            "the built-in R1 1P:3D experiment)"
+        ),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Result directory (default runs/NAME)")] = None,
     set_: Overrides = None,
@@ -198,7 +201,9 @@ def sim_compare(runs: Annotated[list[Path], typer.Argument(help="Result director
 @sim_app.command("sweep")
 @guarded
 def sim_sweep(
-    experiments: Annotated[list[Path], typer.Argument(help="Experiment TOML files")],
+    experiments: Annotated[
+        list[Path], typer.Argument(help="Experiment TOML files or run directories")
+    ],
     param: Annotated[str, typer.Option(help="Setting to vary")] = "workload.rate_per_s",
     values: Annotated[str, typer.Option(help="Comma-separated values")] = "3,6,9,12",
     out: Annotated[Path, typer.Option(help="Directory for the runs and sweep.csv/png")] = Path(
@@ -265,7 +270,9 @@ Attention = Annotated[
 @hw_app.command("run")
 @guarded
 def hw_run(
-    experiment: Annotated[Path | None, typer.Argument(help="Experiment TOML file")] = None,
+    experiment: Annotated[
+        Path | None, typer.Argument(help="Experiment TOML file or run directory")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Result directory")] = None,
     set_: Overrides = None,
     wire: Wire = "tcp",
@@ -323,7 +330,9 @@ def hw_run(
 def hw_serve(
     role: Annotated[str, typer.Option(help="prefill, decode or colocated")],
     driver: Annotated[str, typer.Option(help="The driver's control endpoint, tcp://HOST:PORT")],
-    experiment: Annotated[Path | None, typer.Argument(help="Experiment TOML file")] = None,
+    experiment: Annotated[
+        Path | None, typer.Argument(help="Experiment TOML file or run directory")
+    ] = None,
     set_: Overrides = None,
     index: Annotated[int, typer.Option(help="Node index within its role")] = 0,
     wire: Wire = "tcp",

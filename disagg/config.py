@@ -266,15 +266,24 @@ def _short(err: Any) -> bool:
 def load_experiment(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> Experiment:
-    """Read an experiment TOML file (or the built-in default when `path` is None)."""
+    """Read an experiment: a TOML file, the experiment.json of a run, or a run directory (the
+    experiment it ran, so a hardware run can be simulated as it ran, or the reverse); the
+    built-in default when `path` is None."""
     if path is None:
         return build_experiment({}, overrides)
     p = Path(path)
+    if p.is_dir():
+        if not (p / "experiment.json").exists():
+            raise ConfigError(f"{p} is a directory without an experiment.json: not a run")
+        p = p / "experiment.json"
     try:
-        data = tomllib.loads(p.read_text())
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"experiment file {p} not found") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: {e}") from None
     data.setdefault("base_dir", str(p.parent.resolve()))
     return build_experiment(data, overrides, str(p))

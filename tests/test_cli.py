@@ -91,6 +91,31 @@ def test_compare_and_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+def test_sim_run_of_a_run_directory_reruns_its_experiment(tmp_path: Path) -> None:
+    """A run directory (the sim's or the hardware's) names the experiment it ran: simulating it
+    again gives the same results, and overrides still apply on top."""
+    first = tmp_path / "first"
+    args = ["--set", "workload.duration_s=10", "--set", "cluster.decode.max_batch=32"]
+    res = runner.invoke(
+        app, ["sim", "run", str(EXPERIMENTS / "tiny-disagg.toml"), "--out", str(first), *args]
+    )
+    assert res.exit_code == 0, res.output
+    again = tmp_path / "again"
+    res = runner.invoke(app, ["sim", "run", str(first), "--out", str(again), "--quiet"])
+    assert res.exit_code == 0, res.output
+    a, b = (json.loads((d / "experiment.json").read_text()) for d in (first, again))
+    assert a == b and a["cluster"]["decode"]["max_batch"] == 32
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(first / "requests.parquet"), pd.read_parquet(again / "requests.parquet")
+    )
+    changed = tmp_path / "changed"
+    rerun = ["sim", "run", str(first / "experiment.json"), "--out", str(changed), "--quiet"]
+    res = runner.invoke(app, [*rerun, "--set", "workload.rate_per_s=1"])
+    assert res.exit_code == 0, res.output
+    fewer = pd.read_parquet(changed / "requests.parquet")
+    assert 0 < len(fewer) < len(pd.read_parquet(first / "requests.parquet"))
+
+
 def test_user_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
     cases = [
         ["sim", "run", "--set", "workload.rate_per_s=-2"],

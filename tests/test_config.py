@@ -68,6 +68,11 @@ def test_bad_files(tmp_path: Path) -> None:
     bad.write_text("name = [unclosed\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_experiment(bad)
+    with pytest.raises(ConfigError, match=r"without an experiment\.json: not a run"):
+        load_experiment(tmp_path)
+    (tmp_path / "experiment.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"experiment\.json: not valid JSON"):
+        load_experiment(tmp_path)
 
 
 def test_trace_workload_and_malformed_trace(tmp_path: Path) -> None:
