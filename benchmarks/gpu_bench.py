@@ -8,7 +8,8 @@ Llama-3.1-8B at full depth (FLOP/s vs the GEMM ceiling, target >= 70%); a CUDA-g
 step at batch 128 x 4096 context (weights + KV bytes/s vs copy bandwidth, target >= 75%); the
 cuda wire moving one request's KV pages between two processes (GB/s vs a plain device copy of
 the same bytes, target >= 90%). Writes bench.json and bench.md into --out.
-DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU.
+DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU;
+that path is measured twice, with one driver copy per run and with peer kernels (`peer_kernels`).
 `--compile KIND` only builds FlashInfer's kernels for KIND (prefill, decode, mla) and exits;
 `--smoke` runs the same code on the CPU with toy sizes (no FlashInfer, no cuda wire).
 """
@@ -366,6 +367,7 @@ def _transfer_one(
     pb: int,
     pages: int,
     by_address: bool,
+    peer_kernels: bool = False,
 ) -> dict[str, Any]:
     from disagg.hw.transport.base import Unit, WriteArray
     from disagg.hw.transport.cuda import CudaTransport
@@ -373,7 +375,7 @@ def _transfer_one(
 
     pool, nbytes = 2 * pages, pages * pb * layers
     recv = ReceiverProcess("cuda", [pool * pb] * layers, str(dev_d), "decode")
-    wire = CudaTransport(endpoint="prefill", by_address=by_address)
+    wire = CudaTransport(endpoint="prefill", by_address=by_address, peer_kernels=peer_kernels)
     try:
         src = [
             torch.randint(0, 256, (pool * pb,), dtype=torch.uint8, device=dev_p)
@@ -388,7 +390,9 @@ def _transfer_one(
         pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
         layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
         del a, b, pieces
+        copies = "peer kernels" if peer_kernels else "driver, per run"
         out: dict[str, Any] = {
+            "copies": copies if by_address or dev_p != dev_d else "torch",
             "tokens": pages * page_size,
             "bytes": nbytes,
             "copy_gbps": nbytes / copy_s / 1e9,
@@ -454,8 +458,10 @@ def transfer(
     spec, ps = sizes.spec, sizes.page_size
     pb = spec.kv_bytes_per_token_per_layer() * ps
     by_address = bool(os.environ.get("DISAGG_WIRE_BY_ADDRESS"))  # driver copies on one GPU too
+    ways = [False, True] if by_address or dev_p != dev_d else [False]  # peer kernels too
     runs = [
-        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, by_address)
+        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, by_address, kernels)
+        for kernels in ways
         for n in sizes.transfer_tokens
     ]
     return {"page_bytes": pb, "layers": spec.layers, "runs": runs, "target": 0.90}
@@ -515,7 +521,8 @@ def headline(r: dict[str, Any]) -> list[str]:
                 g = run[lay][f"{kind}_gbps"]
                 rows.append(
                     _row(
-                        f"cuda wire {run['tokens']} tok, {lay}, {kind.replace('_', '-')}",
+                        f"cuda wire {run['tokens']} tok, {lay}, {kind.replace('_', '-')}"
+                        f" ({run.get('copies', 'torch')})",
                         f"{g:.0f} GB/s",
                         f"plain copy {run['copy_gbps']:.0f} GB/s (as {t['layers']} per-layer "
                         f"copies {run['per_layer_copy_gbps']:.0f} GB/s)",

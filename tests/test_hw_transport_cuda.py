@@ -16,7 +16,7 @@ import torch
 from disagg.errors import TransportError
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
-from disagg.hw.transport.cuda import CudaTransport, Mapped, as_arrays
+from disagg.hw.transport.cuda import CudaTransport, Mapped, as_arrays, tensor_at
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -28,8 +28,10 @@ def _peer_device() -> str:
     return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def _sender(r: ReceiverProcess, src: torch.Tensor, by_address: bool = False) -> Transport:
-    wire = make_transport("cuda", endpoint="prefill0", by_address=by_address)
+def _sender(
+    r: ReceiverProcess, src: torch.Tensor, by_address: bool = False, kernels: bool = False
+) -> Transport:
+    wire = make_transport("cuda", endpoint="prefill0", by_address=by_address, peer_kernels=kernels)
     wire.register("src", src)
     wire.connect("decode0", r.info, r.descs)
     return wire
@@ -90,12 +92,31 @@ def test_cuda_registration_carries_an_ipc_handle() -> None:
         wire.register("x", torch.zeros(4, device="cuda"))
 
 
+def test_tensor_at_wraps_memory_it_does_not_own() -> None:
+    """The peer-kernel path's wrapper, on CPU memory: a view that reads and writes the same
+    bytes, sized as asked, and leaves the memory to its owner."""
+    owner = torch.arange(64, dtype=torch.uint8)
+    view = tensor_at(owner.data_ptr() + 16, 32, torch.device("cpu"))
+    assert view.shape == (32,) and view.dtype == torch.uint8 and view[0] == 16
+    view[:4] = 200
+    assert owner[16:20].tolist() == [200] * 4 and owner[15] == 15 and owner[20] == 20
+    del view
+    assert owner[16] == 200  # the owner's memory outlives the view
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("by_address", [False, True], ids=["torch-mapped", "driver-mapped"])
-def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(by_address: bool) -> None:
-    """Both copy paths: torch's IPC mapping (peer on this GPU) and the driver's mapping in the
-    sender's context (peer on another GPU, or forced with by_address)."""
+@pytest.mark.parametrize(
+    ("by_address", "kernels"),
+    [(False, False), (True, False), (True, True)],
+    ids=["torch-mapped", "driver-mapped", "driver-mapped-kernels"],
+)
+def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
+    by_address: bool, kernels: bool
+) -> None:
+    """Every copy path: torch's IPC mapping (peer on this GPU), the driver's mapping in the
+    sender's context (peer on another GPU, or forced with by_address) copied one run at a time,
+    and the same mapping wrapped as a tensor and copied by kernels (peer_kernels)."""
     r = ReceiverProcess("cuda", (ORDER, SCATTER), _peer_device(), "decode0")
     try:
         rng = random.Random(0)
@@ -104,10 +125,13 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(by_address:
         slots = torch.tensor(list(b"".join(slot_bytes(k) for k in range(n))), dtype=torch.uint8)
         src[:ORDER] = slots.cuda()
         torch.cuda.synchronize()
-        wire = _sender(r, src, by_address)
+        wire = _sender(r, src, by_address, kernels)
         two_gpus = torch.cuda.device_count() > 1  # then copies go by address, as peer copies
         mapped = wire._remote["decode0"]["r1"]  # type: ignore[attr-defined]
-        assert isinstance(mapped, Mapped) == (two_gpus or by_address)
+        if kernels:  # a tensor of the sender's GPU over the mapped region
+            assert isinstance(mapped, torch.Tensor) and mapped.device == src.device
+        else:
+            assert isinstance(mapped, Mapped) == (two_gpus or by_address)
         # scatter: 400 disjoint 256-byte slots of r1, random sources and sizes, two units
         starts = sorted(rng.sample(range(0, SCATTER - 256, 256), 400))
         writes = [

@@ -14,7 +14,12 @@ complete when the receiver has acknowledged them; a dead receiver fails them wit
 A peer whose regions live on another GPU is mapped differently: torch would map them in a
 context of *that* GPU, and the driver stages copies into such a mapping through the host. The
 descriptor also carries a driver IPC handle (`cudadriver.export`), which the sender opens in its
-own GPU's context with peer access, and copies go out as cuMemcpyDtoDAsync (NVLink peer copies).
+own GPU's context with peer access, and copies go out as cuMemcpyDtoDAsync (NVLink peer copies),
+one per run: pages scattered on both sides cost one driver call each (24 GB/s for 64 KiB pages
+on two H200s). With `peer_kernels` (or DISAGG_WIRE_PEER_KERNELS=1) the mapping is wrapped as a
+tensor of the sender's GPU instead, and its runs go out as one batched copy like a local
+peer's: kernels on the sender's GPU that write through the peer mapping. That option is not
+measured on two GPUs yet.
 
 The copies do not wait for other streams: post only bytes already written (the layer counter
 guarantees this for KV pages) or synchronise first.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +80,15 @@ def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
     ]
 
 
+def tensor_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of `device` over `nbytes` of memory at `ptr` that torch did not allocate
+    and will not free (here: a peer's region mapped in this GPU's context)."""
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None:
+        raise TransportError(f"cuda wire: torch {torch.__version__} cannot wrap a mapped region")
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(make(ptr, device, nbytes))
+
+
 def _wait_and_notify(link: Link, job: Events) -> None:
     """Worker side: send each immediate once its unit's copies are done, then finish."""
     marks, final = job
@@ -95,13 +110,19 @@ class CudaTransport(SocketWire):
         port: int = 0,
         *,
         by_address: bool = False,
+        peer_kernels: bool | None = None,
     ) -> None:
         """`by_address` maps every peer region through the driver, also on this GPU (tests use
-        it to run the two-GPU copy path on one GPU); by default only other GPUs' regions."""
+        it to run the two-GPU copy path on one GPU); by default only other GPUs' regions.
+        `peer_kernels` copies into such regions with kernels of this GPU instead of one driver
+        copy per run (default: DISAGG_WIRE_PEER_KERNELS=1 in the environment)."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
         self.by_address = by_address
+        if peer_kernels is None:
+            peer_kernels = os.environ.get("DISAGG_WIRE_PEER_KERNELS", "") not in ("", "0")
+        self.peer_kernels = peer_kernels
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
@@ -153,13 +174,18 @@ class CudaTransport(SocketWire):
         self._remote[peer] = mapped
         self._links[peer] = Link(self.name, peer, info, self.endpoint, _wait_and_notify, self._done)
 
-    def _map(self, d: Descriptor) -> Mapped:
-        """A region on another GPU, opened in this endpoint's context (each allocation once)."""
+    def _map(self, d: Descriptor) -> Mapped | torch.Tensor:
+        """A region on another GPU, opened in this endpoint's context (each allocation once):
+        an address, or (`peer_kernels`) a tensor of this GPU over it."""
         handle = base64.b64decode(d.info["cu_ipc"])
         if handle not in self._opened:
             with torch.cuda.device(self.device):
                 self._opened[handle] = cudadriver.open_handle(handle)
-        return Mapped(self._opened[handle] + int(d.info["cu_offset"]), d.nbytes)
+        ptr = self._opened[handle] + int(d.info["cu_offset"])
+        if self.peer_kernels:
+            assert self.device is not None
+            return tensor_at(ptr, d.nbytes, self.device)
+        return Mapped(ptr, d.nbytes)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
