@@ -1,16 +1,24 @@
 """Does a KV copy running beside a compute-bound kernel slow that kernel down?
 
     python benchmarks/copy_overlap.py --compute-device 0 --copy-to 1 --out DIR
+    python benchmarks/copy_overlap.py --work prefill --tokens 32768 --compute-device 0 \
+        --copy-to 1 --out DIR        # the real prefill, copies posted layer by layer
 
 On two GPUs the layer-wise disaggregated prefill of 32k tokens ran about 30 ms (2.5%) slower
 than the same prefill with whole-request transfer, on either GPU, while the copies it overlapped
-add up to 11 ms. This runs a bf16 GEMM loop (8192^3, compute-bound like long-prompt attention)
-on the compute device alone, then with 32 copies of `--layer-mib` MiB issued on a side stream
-at the same time, the way the cuda wire posts them: through torch (`copy_`); through the driver
-(`cuMemcpyDtoDAsync`, the wire's path to another GPU), also pulled (issued on the destination
-GPU's stream); through `cuMemcpyPeerAsync` (each side named with its context); and through the
-runtime's `cudaMemcpyAsync`. The destination is `--copy-to` (another GPU: a peer copy over
-NVLink; the same GPU: a local copy). Medians of `--repeats`.
+add up to 11 ms (benchmarks/results/gpu_2026-11-29d.md). This runs some work on the compute
+device alone, then with `--layers` copies of `--layer-mib` MiB to `--copy-to` (another GPU: peer
+copies over NVLink; the same GPU: local copies) on a side stream:
+
+- `--work gemm`: a bf16 GEMM loop (`--gemms` x 8192^3), the copies issued all at once;
+- `--work prefill`: one prefill of `--tokens` tokens through `--model` at full depth (FlashInfer
+  on CUDA), each layer's copy issued when the layer counter passes that layer, as the cuda wire
+  posts layer-wise (the copies are then that model's KV: `--layer-mib` is ignored).
+
+The copies go five ways: torch's `copy_`; the driver's `cuMemcpyDtoDAsync` (the wire's path to
+another GPU), also issued on the destination GPU's stream ("pulled"); `cuMemcpyPeerAsync`; and
+the runtime's `cudaMemcpyAsync`. Medians of `--repeats`; the work alone is timed between every
+variant's runs, so drift shows.
 """
 
 from __future__ import annotations
@@ -22,12 +30,19 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from disagg.hw.batch import Seq
 from disagg.hw.device import resolve_device
+from disagg.hw.model import Transformer
+from disagg.hw.runner import LayerWatcher, Runner
 from disagg.hw.transport import cudadriver
+from disagg.models import get_model
+
+WAYS = ("torch", "driver", "pulled", "peer", "runtime")
 
 
 def cudart() -> ctypes.CDLL:
@@ -41,123 +56,187 @@ def cudart() -> ctypes.CDLL:
     return ctypes.CDLL(sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True))[0])
 
 
+class Copier:
+    """`layers` source buffers on the compute device and their destinations, copied one way."""
+
+    def __init__(self, dev: torch.device, dst_dev: torch.device, layers: int, nbytes: int):
+        self.dev, self.dst_dev, self.nbytes = dev, dst_dev, nbytes
+        self.src = [torch.ones(nbytes, dtype=torch.uint8, device=dev) for _ in range(layers)]
+        self.dst = [torch.empty(nbytes, dtype=torch.uint8, device=dst_dev) for _ in range(layers)]
+        self.side, self.pull = torch.cuda.Stream(dev), torch.cuda.Stream(dst_dev)
+        self.lib, self.rt = cudadriver._lib(), cudart()
+        self.ctx = {}
+        for d in {dev.index, dst_dev.index}:  # the primary contexts torch made on each GPU
+            self.ctx[d] = ctypes.c_void_p()
+            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx[d]), ctypes.c_int(d))
+        if dst_dev != dev:  # let torch enable peer access both ways before anything is timed
+            self.dst[0][:1].copy_(self.src[0][:1])
+            self.src[0][:1].copy_(self.dst[0][:1])
+
+    def stream(self, way: str) -> torch.cuda.Stream:
+        return self.pull if way == "pulled" else self.side
+
+    def post(self, way: str, layers: range) -> None:
+        """Issue the copies of `layers` on the way's stream."""
+        stream, n = self.stream(way), ctypes.c_size_t(self.nbytes)
+        with torch.cuda.device(self.dev), torch.cuda.stream(stream):
+            for i in layers:
+                s, d = self.src[i], self.dst[i]
+                if way == "torch":
+                    d.copy_(s, non_blocking=True)
+                elif way == "peer":  # each side named with its context
+                    err = self.lib.cuMemcpyPeerAsync(
+                        ctypes.c_uint64(d.data_ptr()),
+                        self.ctx[self.dst_dev.index],
+                        ctypes.c_uint64(s.data_ptr()),
+                        self.ctx[self.dev.index],
+                        n,
+                        ctypes.c_void_p(stream.cuda_stream),
+                    )
+                    assert err == 0, f"cuMemcpyPeerAsync: error {err}"
+                elif way == "runtime":  # device to device (kind 3), as torch's copy_ does
+                    err = self.rt.cudaMemcpyAsync(
+                        ctypes.c_void_p(d.data_ptr()),
+                        ctypes.c_void_p(s.data_ptr()),
+                        n,
+                        ctypes.c_int(3),
+                        ctypes.c_void_p(stream.cuda_stream),
+                    )
+                    assert err == 0, f"cudaMemcpyAsync: error {err}"
+                else:  # driver, and pulled: the same call on the destination GPU's stream
+                    cudadriver.copy_async(
+                        d.data_ptr(), s.data_ptr(), self.nbytes, stream.cuda_stream
+                    )
+
+
+def gemm_work(dev: torch.device, gemms: int) -> Callable[[], None]:
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+
+    def work() -> None:
+        for _ in range(gemms):
+            torch.matmul(a, a, out=c)
+
+    return work
+
+
+def prefill_work(dev: torch.device, model_name: str, tokens: int) -> tuple[Runner, Seq]:
+    spec = get_model(model_name)
+    model = Transformer(spec, seed=0, device=dev)
+    page = 16
+    cache = model.new_cache(-(-tokens // page), page)
+    prompt = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    return Runner(model, cache), Seq.of(prompt.tolist(), 0, range(cache.num_pages))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compute-device", default="0")
     ap.add_argument("--copy-to", default="1")
+    ap.add_argument("--work", choices=["gemm", "prefill"], default="gemm")
     ap.add_argument("--gemms", type=int, default=200)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--layer-mib", type=int, default=128, help="32k tokens of Llama-3.1-8B")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {WAYS}")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev, dst_dev = resolve_device(args.compute_device), resolve_device(args.copy_to)
     torch.cuda.set_device(dev)
-    n = 8192
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    nbytes = args.layer_mib << 20
-    src = [torch.ones(nbytes, dtype=torch.uint8, device=dev) for _ in range(args.layers)]
-    dst = [torch.empty(nbytes, dtype=torch.uint8, device=dst_dev) for _ in range(args.layers)]
-    side = torch.cuda.Stream(dev)
-    pull = torch.cuda.Stream(dst_dev)  # the copy issued on the destination GPU's stream
-    lib, rt = cudadriver._lib(), cudart()
-    ctx = {}
-    for d in {dev.index, dst_dev.index}:  # the primary contexts torch made current on each GPU
-        ctx[d] = ctypes.c_void_p()
-        lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx[d]), ctypes.c_int(d))
+    ways = [w for w in args.ways.split(",") if w]
+    if unknown := set(ways) - set(WAYS):
+        ap.error(f"unknown copy ways {sorted(unknown)}; known: {', '.join(WAYS)}")
+    layers, nbytes = args.layers, args.layer_mib << 20
+    if args.work == "prefill":
+        runner, seq = prefill_work(dev, args.model, args.tokens)
+        layers = runner.model.spec.layers
+        nbytes = args.tokens * runner.model.spec.kv_bytes_per_token_per_layer("bf16")
+        what = f"prefill of {args.tokens} tokens, {args.model} x{layers}"
+    else:
+        work = gemm_work(dev, args.gemms)
+        what = f"{args.gemms} GEMMs of 8192^3 bf16"
+    copier = Copier(dev, dst_dev, layers, nbytes)
 
-    def post(how: str) -> None:
-        stream = pull if how == "pull" else side
-        with torch.cuda.stream(stream):
-            for s, d in zip(src, dst, strict=True):
-                if how == "torch":
-                    d.copy_(s, non_blocking=True)
-                elif how == "peer":  # cuMemcpyPeerAsync, each side named with its context
-                    err = lib.cuMemcpyPeerAsync(
-                        ctypes.c_uint64(d.data_ptr()),
-                        ctx[dst_dev.index],
-                        ctypes.c_uint64(s.data_ptr()),
-                        ctx[dev.index],
-                        ctypes.c_size_t(nbytes),
-                        ctypes.c_void_p(side.cuda_stream),
-                    )
-                    assert err == 0, f"cuMemcpyPeerAsync: error {err}"
-                elif how == "runtime":  # cudaMemcpyAsync, device to device, as torch's copy_
-                    err = rt.cudaMemcpyAsync(
-                        ctypes.c_void_p(d.data_ptr()),
-                        ctypes.c_void_p(s.data_ptr()),
-                        ctypes.c_size_t(nbytes),
-                        ctypes.c_int(3),
-                        ctypes.c_void_p(stream.cuda_stream),
-                    )
-                    assert err == 0, f"cudaMemcpyAsync: error {err}"
-                else:
-                    cudadriver.copy_async(d.data_ptr(), s.data_ptr(), nbytes, stream.cuda_stream)
-
-    def run(copies: str | None, gemms: int) -> tuple[float, float]:
-        """(GEMM loop seconds, copies seconds), each timed by events on its own stream."""
+    def run(way: str | None, with_work: bool = True) -> tuple[float, float]:
+        """(work seconds, copies seconds), each timed by events on its own stream."""
         torch.cuda.synchronize(dev)
-        g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        w0, w1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g0.record()
-        if copies:
-            c0.record(pull if copies == "pull" else side)
-            post(copies)
-            c1.record(pull if copies == "pull" else side)
-        for _ in range(gemms):
-            torch.matmul(a, a, out=c)
-        g1.record()
+        if way and not (with_work and args.work == "prefill"):
+            c0.record(copier.stream(way))
+            copier.post(way, range(layers))
+            c1.record(copier.stream(way))
+        w0.record()
+        if with_work and args.work == "prefill":
+            before, posted = runner.counter.read(), 0
+
+            def on_layers(n: int) -> None:  # the watcher thread, as the prefill server's
+                nonlocal posted
+                done = min(n - before, layers)
+                if way and done > posted:
+                    if posted == 0:
+                        c0.record(copier.stream(way))
+                    copier.post(way, range(posted, done))
+                    if done == layers:
+                        c1.record(copier.stream(way))
+                posted = max(posted, done)
+
+            with LayerWatcher(runner.counter, on_layers, 50e-6):
+                runner.step([seq])
+                w1.record()
+                torch.cuda.synchronize(dev)
+                while posted < layers:  # the last layers' copies, after the pass
+                    time.sleep(1e-4)
+        else:
+            if with_work:
+                work()
+            w1.record()
         torch.cuda.synchronize(dev)
         torch.cuda.synchronize(dst_dev)
-        return g0.elapsed_time(g1) / 1e3, (c0.elapsed_time(c1) / 1e3 if copies else 0.0)
+        copy_s = c0.elapsed_time(c1) / 1e3 if way else 0.0
+        return (w0.elapsed_time(w1) / 1e3 if with_work else 0.0), copy_s
 
-    if dst_dev != dev:  # let torch enable peer access both ways before anything is timed
-        dst[0][:1].copy_(src[0][:1])
-        src[0][:1].copy_(dst[0][:1])
-    results = {}
-    for label, copies, gemms in [
-        ("gemms alone", None, args.gemms),
-        ("copies alone (torch)", "torch", 0),
-        ("copies alone (driver)", "driver", 0),
-        ("copies alone (driver, peer)", "peer", 0),
-        ("copies alone (driver, pulled)", "pull", 0),
-        ("copies alone (runtime)", "runtime", 0),
-        ("gemms + copies (torch)", "torch", args.gemms),
-        ("gemms + copies (driver)", "driver", args.gemms),
-        ("gemms + copies (driver, peer)", "peer", args.gemms),
-        ("gemms + copies (driver, pulled)", "pull", args.gemms),
-        ("gemms + copies (runtime)", "runtime", args.gemms),
-    ]:
-        run(copies, min(gemms, 5))  # warm-up
-        times = [run(copies, gemms) for _ in range(args.repeats)]
-        results[label] = {
-            "gemm_s": statistics.median(t[0] for t in times) if gemms else None,
-            "copy_s": statistics.median(t[1] for t in times) if copies else None,
+    results: dict[str, dict[str, float | None]] = {}
+    alone: list[float] = []
+    run(None)  # warm-up (kernels, plans)
+    for way in ways:
+        run(way, with_work=False)
+        copies_alone = statistics.median(run(way, False)[1] for _ in range(args.repeats))
+        run(way)
+        times = [run(way) for _ in range(args.repeats)]
+        alone += [run(None)[0] for _ in range(args.repeats)]
+        results[way] = {
+            "work_s": statistics.median(t[0] for t in times),
+            "copy_s": statistics.median(t[1] for t in times),
+            "copy_alone_s": copies_alone,
         }
-    alone = results["gemms alone"]["gemm_s"]
-    assert alone is not None
-    total = args.layers * nbytes
+    base = statistics.median(alone)
+    total = layers * nbytes
     lines = [
-        f"compute {dev} ({torch.cuda.get_device_name(dev)}), copies to {dst_dev}: "
-        f"{args.gemms} GEMMs of {n}^3 bf16, {args.layers} copies of {args.layer_mib} MiB",
+        f"compute {dev} ({torch.cuda.get_device_name(dev)}), copies to {dst_dev}: {what}; "
+        f"{layers} copies of {nbytes / 2**20:.0f} MiB; work alone {1e3 * base:.2f} ms (median of "
+        f"{len(alone)}, spread {1e3 * (max(alone) - min(alone)):.2f} ms)",
         "",
-        "| run | GEMM loop (ms) | slower than alone (ms) | copies (ms) | copy GB/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| copies | work with copies (ms) | slower than alone (ms) | copies alone (GB/s) |",
+        "| --- | ---: | ---: | ---: |",
     ]
-    for label, r in results.items():
-        g, cp = r["gemm_s"], r["copy_s"]
+    for way, r in results.items():
+        assert r["work_s"] is not None and r["copy_alone_s"]
         lines.append(
-            f"| {label} | {'' if g is None else f'{1e3 * g:.2f}'} | "
-            f"{'' if g is None else f'{1e3 * (g - alone):.2f}'} | "
-            f"{'' if cp is None else f'{1e3 * cp:.2f}'} | "
-            f"{'' if not cp else f'{total / cp / 1e9:.0f}'} |"
+            f"| {way} | {1e3 * r['work_s']:.2f} | {1e3 * (r['work_s'] - base):.2f} | "
+            f"{total / r['copy_alone_s'] / 1e9:.0f} |"
         )
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"copy_overlap_{dev.index}_{dst_dev.index}.md").write_text(md)
-    (args.out / f"copy_overlap_{dev.index}_{dst_dev.index}.json").write_text(
-        json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, indent=1)
+    stem = f"copy_overlap_{args.work}_{dev.index}_{dst_dev.index}"
+    (args.out / f"{stem}.md").write_text(md)
+    (args.out / f"{stem}.json").write_text(
+        json.dumps(
+            {"date": time.strftime("%Y-%m-%d %H:%M"), "alone_s": alone, "results": results},
+            indent=1,
+        )
     )
     print(md)
 
