@@ -3,6 +3,7 @@ so a script that only runs on lent GPUs does not rot between device sessions."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,24 @@ def test_gpu_tpot_dry_run_writes_its_table_and_figures(tmp_path: Path) -> None:
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "gpu_tpot.md").read_text().splitlines() == table
+
+
+def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -> None:
+    args = ["--prefill-device", "cpu", "--decode-device", "cpu", "--wire", "tcp"]
+    args += ["--model", "tiny-gqa", "--prompts", "64,128", "--spacing-s", "0.3"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_ttft.py"), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DISAGG_LAYERS": "2", "DISAGG_REPEATS": "2"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for run in ("colocated", "layerwise", "parallel", "whole"):
+        req = pd.read_parquet(tmp_path / run / "requests.parquet")
+        assert len(req) == 5 and (req.status == "finished").all()  # warm-up + 2 x 2 lengths
+        assert sorted(req.prompt_tokens.tolist()) == [64, 64, 64, 128, 128]
+    report = (tmp_path / "gpu_ttft.md").read_text()
+    rows = [r for r in report.splitlines() if r.startswith("|") and r.split("|")[1].strip()]
+    assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
+    assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
