@@ -344,3 +344,31 @@ def test_cli_hw_run_rejects_an_unknown_attention_kernel() -> None:
     )
     assert proc.returncode == 2 and "unknown attention 'flashinfer:fa9'" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_prefill_server_recomputes_an_evicted_early_start() -> None:
+    """Parallel handoff under prefill memory pressure, in the real server's glue: an early start
+    (the router's half, pages unknown) is evicted for a request whose decoder pages are known,
+    and when it starts again the server still has its prompt and schedules it anew."""
+    from disagg.core import messenger as m
+    from disagg.hw.node import NodeConfig, PrefillServer, Submit
+
+    data = experiment("tiny-gqa", "disagg", "HND", 64, "parallel")
+    data["kv"]["page_size"] = 16
+    exp = build_experiment(data).model_dump(mode="json")
+    server = PrefillServer(NodeConfig("prefill", 0, exp, "cpu", "tcp", 4, "tcp://127.0.0.1:1"))
+    try:
+        server.control.connect("decode0", "tcp://127.0.0.1:2")  # messages queue, unsent
+        a, b = tuple(range(40)), tuple(range(100, 140))  # 39 tokens each: 3 of the 4 pages
+        server.on_message(Submit(1, 0.0, a, 4))
+        assert [r.id for r, _ in server.scheduler.queue] == [1]
+        server.on_message(m.PrefillRequest(2, 0, 0, 40, (0, 1, 2), 0, b))  # pages known
+        assert server.messenger.evicted == 1 and list(server.messenger.parked) == [1]
+        assert [r.id for r, _ in server.scheduler.queue] == [2]
+        server.on_message(m.PrefillRequest(1, 1, 0, 40, (3, 4, 5), 0, (), True))  # A's pages
+        server.on_message(m.CancelTransfer(2, "cancelled by the test"))  # B leaves, A starts
+        assert [(r.id, r.prompt) for r, _ in server.scheduler.queue] == [(1, a)]
+        assert list(server.prompts) == [1]  # B's prompt went with it
+    finally:
+        server.watcher.stop()
+        server.control.close()

@@ -409,13 +409,9 @@ class PrefillMessenger:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.parked) + len(self.outbound)
 
-    def knows(self, req_id: int) -> bool:
-        """Whether `req_id` is waiting, prefilling or transferring here."""
-        return (
-            req_id in self.outbound
-            or req_id in self.parked
-            or any(q.req_id == req_id for q in self.waiting)
-        )
+    def known(self) -> set[int]:
+        """The requests waiting, parked, prefilling or transferring here (len(self) of them)."""
+        return {*self.outbound, *self.parked, *(q.req_id for q in self.waiting)}
 
     def submit(self, req_id: int, prompt_tokens: int, decode_node: int) -> list[Command]:
         """Parallel handoff: the router sent the request here and to `decode_node` at once.

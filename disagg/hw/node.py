@@ -381,7 +381,7 @@ class PrefillServer(Server):
             if isinstance(cmd, m.Send):
                 self.control.send(f"decode{cmd.node}", cmd.msg)
             elif isinstance(cmd, m.Prefill):
-                prompt = self.prompts.pop(cmd.req_id)
+                prompt = self.prompts[cmd.req_id]  # kept: an evicted early start runs again
                 req = Request(cmd.req_id, 0.0, len(prompt), 1, prompt=prompt)
                 self.requests[req.id] = req
                 self.scheduler.add(req, cmd.tokens)
@@ -393,8 +393,10 @@ class PrefillServer(Server):
                 self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
         for req_id in [r for r in self.rows if r not in self.messenger.outbound]:
             self.free_rows.append(self.rows.pop(req_id))  # its posts are done (or never will be)
-        for req_id in [r for r in self.prompts if not self.messenger.knows(r)]:
-            del self.prompts[req_id]  # cancelled or refused before it started
+        if len(self.prompts) > len(self.messenger):  # some left: prefilled, cancelled, refused
+            known = self.messenger.known()
+            for req_id in [r for r in self.prompts if r not in known]:
+                del self.prompts[req_id]
 
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
         """One unit per layer: every page's writes as arrays, then one immediate that counts
