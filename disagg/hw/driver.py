@@ -157,6 +157,7 @@ class Driver:
     def check_children(self) -> None:
         for name, proc in self.procs.items():
             if not proc.is_alive():
+                self._last_words(name)
                 records = self.run_state.records.get(name)
                 why = f": {records.error}" if records and records.error else ""
                 raise TransportError(f"server {name} died (exit code {proc.exitcode}){why}")
@@ -215,6 +216,15 @@ class Driver:
                     raise TransportError(body.error)
             msg = self.control.recv(0.0)
         self.check_children()
+
+    def _last_words(self, name: str, wait_s: float = 1.0) -> None:
+        """A server that exits right after saying why (it cannot start) may be seen dead before
+        its message is read: wait a moment for its records (the run is failing anyway)."""
+        deadline = time.monotonic() + wait_s
+        while name not in self.run_state.records and time.monotonic() < deadline:
+            msg = self.control.recv(0.1)
+            if msg is not None and isinstance(msg[1], Records):
+                self.run_state.records[msg[1].name] = msg[1]
 
     # -- stopping
     def stop(self) -> None:

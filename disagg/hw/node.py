@@ -163,11 +163,13 @@ def serve(cfg: NodeConfig) -> None:
         "decode": DecodeServer,
         "colocated": ColocatedServer,
     }
+    # one control endpoint, made first: a second one under the same name would be refused by
+    # the driver's socket while the first lives, and the reason with it
+    control = Control(cfg.name, cfg.bind)
+    control.connect("driver", cfg.driver)
     try:
-        server = kinds[cfg.role](cfg)
+        server = kinds[cfg.role](cfg, control)
     except DisaggError as e:
-        control = Control(cfg.name, cfg.bind)
-        control.connect("driver", cfg.driver)
         control.send("driver", Records(cfg.name, (), (), f"{cfg.name}: {e}"))
         control.close(linger_s=5.0)
         return
@@ -184,7 +186,8 @@ class _Stats:
 class Server:
     role = "server"
 
-    def __init__(self, cfg: NodeConfig) -> None:
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        """`control`: this node's control endpoint, connected to the driver (made if None)."""
         self.cfg = cfg
         if cfg.device == "cpu":  # a server shares the CPU with its peers and the driver
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -193,8 +196,10 @@ class Server:
         self.exp = Experiment.model_validate(cfg.experiment)
         self.spec = self.exp.model.spec
         self.layers = self.spec.layers
-        self.control = Control(cfg.name, cfg.bind)
-        self.control.connect("driver", cfg.driver)
+        if control is None:
+            control = Control(cfg.name, cfg.bind)
+            control.connect("driver", cfg.driver)
+        self.control = control
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
         self.model = Transformer(self.spec, seed=self.exp.seed, device=cfg.device)
         kv = self.exp.kv
@@ -337,8 +342,8 @@ def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
 class PrefillServer(Server):
     role = "prefill"
 
-    def __init__(self, cfg: NodeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        super().__init__(cfg, control)
         t = self.exp.transfer
         self.messenger = m.PrefillMessenger(cfg.index, self.pool, self.layers, t.policy)
         group = self.exp.cluster.prefill
@@ -508,8 +513,8 @@ class PrefillServer(Server):
 class GeneratingServer(Server):
     """A server that emits tokens (decode or colocated) and reports finished requests."""
 
-    def __init__(self, cfg: NodeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        super().__init__(cfg, control)
         self.outputs: dict[int, list[int]] = {}
         self.meta_sums: dict[int, float | torch.Tensor] = {}  # device sums: read at finish
         self.first_logits: dict[int, torch.Tensor] = {}
@@ -532,8 +537,8 @@ class GeneratingServer(Server):
 class DecodeServer(GeneratingServer):
     role = "decode"
 
-    def __init__(self, cfg: NodeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        super().__init__(cfg, control)
         t, group = self.exp.transfer, self.exp.cluster.decode
         self.plan = _single_gpu_plan(self.exp, self.cache.layers[0].element_size())
         self.messenger = m.DecodeMessenger(
@@ -629,8 +634,8 @@ class DecodeServer(GeneratingServer):
 class ColocatedServer(GeneratingServer):
     role = "colocated"
 
-    def __init__(self, cfg: NodeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        super().__init__(cfg, control)
         g = self.exp.cluster.colocated
         self.scheduler = ColocatedScheduler(self.pool, g.token_budget, g.max_batch)
 
