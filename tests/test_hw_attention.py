@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from disagg.errors import ConfigError
 from disagg.hw.attention import (
+    DECODE_BACKENDS,
     FLASHINFER_SHAPES,
     AttnShape,
     TorchAttention,
@@ -123,3 +124,14 @@ def test_flashinfer_matches_reference(kind: str, lens: list[tuple[int, int]]) ->
     err, scale = error_against_reference(FLASHINFER_SHAPES[kind], lens, torch.device("cuda"), 1)
     assert err <= 2e-2 * max(1.0, scale), f"max error {err} (output scale {scale})"
     assert math.isfinite(err)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", DECODE_BACKENDS)
+@pytest.mark.parametrize("kind", ["GQA-HND", "GQA-NHD"])
+def test_every_flashinfer_decode_kernel_matches_reference(kind: str, kernel: str) -> None:
+    """The decode kernels `--attention flashinfer:KERNEL` picks, each against the reference."""
+    shape, dev = FLASHINFER_SHAPES[kind], torch.device("cuda")
+    err, scale = error_against_reference(shape, DECODE, dev, 7, kernel)
+    assert math.isfinite(err) and err <= 2e-2 * max(1.0, scale), f"{kernel}: max error {err}"

@@ -188,15 +188,20 @@ FLASHINFER_SHAPES = {
 
 
 def error_against_reference(
-    shape: AttnShape, lens: list[tuple[int, int]], device: torch.device, seed: int = 0
+    shape: AttnShape,
+    lens: list[tuple[int, int]],
+    device: torch.device,
+    seed: int = 0,
+    kernel: str | None = None,
 ) -> tuple[float, float]:
     """(max |FlashInfer - reference|, max |reference|) on one random paged problem with bf16
-    inputs (`random_problem`); FlashInfer's decode kernel as DECODE_BACKEND says."""
+    inputs (`random_problem`); FlashInfer's decode kernel `kernel` (default DECODE_BACKEND)."""
     seqs, cache, q, q_pe = random_problem(shape, lens, seed)
     cache, q = cache.to(device, torch.bfloat16), q.to(device, torch.bfloat16)
     q_pe = q_pe.to(device, torch.bfloat16) if q_pe is not None else None
     meta = BatchMeta.of(seqs, shape.page_size, cache.shape[0])
-    fi, ref = make_attention("flashinfer", shape, device), TorchAttention(shape)
+    choice = "flashinfer" if kernel is None else f"flashinfer:{kernel}"
+    fi, ref = make_attention(choice, shape, device), TorchAttention(shape)
     fi.plan(meta)
     ref.plan(meta)
     got, want = fi.run(cache, q, q_pe).float(), ref.run(cache, q, q_pe).float()
