@@ -42,7 +42,7 @@ def test_prefill_passes_within_ten_percent(both: dict[str, tuple]) -> None:
 
 
 def test_decode_within_the_rooflines_known_overestimate(both: dict[str, tuple]) -> None:
-    # docs/calibration.md: the roofline puts decode 16-29% above an H200's measured passes
+    # docs/calibration.md: the roofline's decode overestimate puts these TPOTs 13-31% high
     for name in ("disagg-2rps", "disagg-6rps"):
         hw, sim = (s[3]["tpot_s_p50"] for s in both[name])
         assert 1.0 <= sim / hw <= 1.4, (name, hw, sim)

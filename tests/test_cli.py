@@ -114,6 +114,9 @@ def test_sim_run_of_a_run_directory_reruns_its_experiment(tmp_path: Path) -> Non
     assert res.exit_code == 0, res.output
     fewer = pd.read_parquet(changed / "requests.parquet")
     assert 0 < len(fewer) < len(pd.read_parquet(first / "requests.parquet"))
+    c = json.loads((changed / "experiment.json").read_text())
+    assert c["workload"].pop("rate_per_s") == 1 and a["workload"].pop("rate_per_s") != 1
+    assert c == a  # the run's other settings kept, the first run's overrides included
 
 
 def test_user_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
@@ -158,11 +161,11 @@ def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
     assert df["transfer.handoff"].tolist() == ["decode-first", "parallel"]
     # parallel handoff takes the 5 ms control hop off every request's TTFT
     assert df.ttft_s_p50[0] - df.ttft_s_p50[1] == pytest.approx(0.005, abs=2e-4)
-    assert (tmp_path / "h" / "sweep.png").stat().st_size > 0
+    assert (tmp_path / "h" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = runner.invoke(
         app, [*short, "--param", "workload.rate_per_s", "--values", "1,2",
               "--out", str(tmp_path / "r")],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    rates = pd.read_csv(tmp_path / "r" / "sweep.csv")["workload.rate_per_s"]
-    assert rates.tolist() == [1.0, 2.0]
+    rates = pd.read_csv(tmp_path / "r" / "sweep.csv", dtype=str)["workload.rate_per_s"]
+    assert rates.tolist() == ["1.0", "2.0"]  # written as numbers, not the text given

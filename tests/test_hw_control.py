@@ -60,6 +60,8 @@ def test_two_processes_exchange_messages_heartbeats_keep_a_peer_alive_and_silenc
         assert me.recv(0.1) is None  # heartbeats are not messages...
     assert me.dead_peers() == []  # ...but they keep the peer alive
     p.join(10)
-    time.sleep(1.2)
+    t = time.monotonic()
+    while time.monotonic() - t < 1.2:  # still listening: silence, not a deaf loop, kills it
+        me.recv(0.1)
     assert me.dead_peers() == ["prefill0"]
     me.close()

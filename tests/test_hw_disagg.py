@@ -8,6 +8,7 @@ and the greedy tokens exactly.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("zmq")
+
+import torch
 
 from disagg.config import build_experiment
 from disagg.hw.driver import HwOptions, run_hw
@@ -45,12 +48,13 @@ def experiment(
     }
 
 
-# the disaggregated tiny-gqa experiment as a file, for the command-line tests
-TINY_TOML = (
-    'seed = 5\n[model]\nname = "tiny-gqa"\nweight_dtype = "bf16"\n'
-    "[cluster]\nprefill = {nodes = 1, tp = 1, token_budget = 8}\n"
-    "decode = {nodes = 1, tp = 1, max_batch = 8}\n[kv]\npage_size = 4\n"
-)
+def tiny_file(tmp_path: Path, **workload: int) -> Path:
+    """The disaggregated tiny-gqa experiment as a file, for the command-line tests."""
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data["workload"] |= workload
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps(data))
+    return path
 
 
 def run(tmp_path: Path, name: str, data: dict) -> tuple[dict, dict]:
@@ -129,8 +133,7 @@ def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
     driver = Driver(
         build_experiment(data), HwOptions(wire="tcp", num_pages=128, external=("decode0",))
     )
-    toml = tmp_path / "e.toml"
-    toml.write_text(TINY_TOML)
+    exp_file = tiny_file(tmp_path)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -138,7 +141,7 @@ def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
             "disagg.cli",
             "hw",
             "serve",
-            str(toml),
+            str(exp_file),
             "--role",
             "decode",
             "--driver",
@@ -199,7 +202,10 @@ def test_profile_measured_here_drives_the_simulator(tmp_path: Path) -> None:
 
 
 CUDA = pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (runs on the H200)"
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200)"
+)
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (runs on nvidia-h200-x2)"
 )
 
 
@@ -224,10 +230,7 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
 
 @CUDA
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
-    reason="needs two CUDA GPUs (runs on nvidia-h200-x2)",
-)
+@TWO_GPUS
 @pytest.mark.parametrize(
     ("model", "layout", "handoff"),
     [
@@ -304,15 +307,10 @@ def test_cli_hw_run_waits_for_an_external_server_on_its_bound_socket(tmp_path: P
     import subprocess
     import sys
 
-    toml = tmp_path / "e.toml"
-    toml.write_text(
-        TINY_TOML + "[workload]\nrate_per_s = 50\nnum_requests = 4\n"
-        'prompt_tokens = {dist = "uniform", low = 6, high = 30}\n'
-        'output_tokens = {dist = "uniform", low = 3, high = 7}\n'
-    )
+    exp_file = tiny_file(tmp_path, num_requests=4)
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     cli = [sys.executable, "-m", "disagg.cli", "hw"]
-    common = [str(toml), "--pages", "128", "--attention", "torch"]
+    common = [str(exp_file), "--pages", "128", "--attention", "torch"]
     out = tmp_path / "out"
     driver = subprocess.Popen(
         [*cli, "run", *common, "--external", "decode0", "--bind", endpoint, "--out", str(out)],

@@ -4,6 +4,7 @@ a dead peer fails by name, close is idempotent."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -141,10 +142,14 @@ def test_the_wake_fd_wakes_a_waiting_control_loop_when_immediates_arrive() -> No
         fd = recv.wake_fd()
         assert fd is not None and not select.select([fd], [], [], 0)[0]
         assert ctl.recv(0.05, fd) is None  # nothing came: the timeout ends the wait
-        send.post("decode0", [Unit([Write("src", 0, "dst", 0, 64)], imm=7)], wr_id=1)
+        unit = Unit([Write("src", 0, "dst", 0, 64)], imm=7)
+        later = threading.Timer(0.2, send.post, ("decode0", [unit], 1))  # lands mid-wait
         t = time.monotonic()
+        later.start()
         assert ctl.recv(10.0, fd) is None
-        assert time.monotonic() - t < 2.0  # woken by the immediate, long before the timeout
+        waited = time.monotonic() - t
+        later.join()
+        assert 0.15 < waited < 2.0  # woken by the immediate, long before the timeout
         assert recv.poll().immediates == [7]
         assert not select.select([fd], [], [], 0)[0]  # cleared until the next immediate
     finally:

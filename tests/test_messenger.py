@@ -39,9 +39,14 @@ def sides(
     prefill_pages: int = 64,
     policy: str = "layerwise",
     timeout_s: float = float("inf"),
+    handoff: str = "decode-first",
 ) -> tuple[DecodeMessenger, PrefillMessenger]:
     dec = DecodeMessenger(
-        DECODE, PagePool(decode_pages, PAGE, "decode"), expected_one_rank, timeout_s=timeout_s
+        DECODE,
+        PagePool(decode_pages, PAGE, "decode"),
+        expected_one_rank,
+        timeout_s=timeout_s,
+        handoff=handoff,  # type: ignore[arg-type]
     )
     pre = PrefillMessenger(PREFILL, PagePool(prefill_pages, PAGE, "prefill"), LAYERS, policy=policy)  # type: ignore[arg-type]
     return dec, pre
@@ -311,9 +316,7 @@ def test_chunk_of_unknown_request_and_bad_counter_are_protocol_errors() -> None:
 
 # ---- parallel handoff: the router sends the request to both sides at once ------------------
 def parallel(decode_pages: int = 64, prefill_pages: int = 64, policy: str = "layerwise"):
-    dec, pre = sides(decode_pages, prefill_pages, policy)
-    dec.handoff = "parallel"
-    return dec, pre
+    return sides(decode_pages, prefill_pages, policy, handoff="parallel")
 
 
 def routed_request(dec: DecodeMessenger, req: Request) -> PrefillRequest:

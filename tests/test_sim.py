@@ -107,7 +107,9 @@ def test_mtp_accepting_more_tokens_shortens_decode() -> None:
 
 @pytest.mark.parametrize("handoff", ["decode-first", "parallel"])
 def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost(handoff: str) -> None:
-    sim = simulate(  # under parallel handoff the prefill already started: it is cancelled
+    # the prompt fits the prefill pool (3,328 tokens), prompt + output never fit the decoder's:
+    # under parallel handoff the prefill has started by the refusal and is cancelled
+    sim = simulate(
         None,
         f"transfer.handoff={handoff}",
         "model.name=llama-3.1-8b",
@@ -118,15 +120,23 @@ def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost(hando
         "kv.memory_fraction=0.3",
         "kv.activation_reserve_gb=7.5",
         "workload.prompt_tokens.dist=fixed",
-        "workload.prompt_tokens.value=9000",
+        "workload.prompt_tokens.value=3000",
         "workload.prompt_tokens.mean=null",
         "workload.prompt_tokens.sigma=null",
         "workload.prompt_tokens.low=null",
         "workload.prompt_tokens.high=null",
+        "workload.output_tokens.dist=fixed",
+        "workload.output_tokens.value=8000",
+        "workload.output_tokens.mean=null",
+        "workload.output_tokens.sigma=null",
+        "workload.output_tokens.low=null",
+        "workload.output_tokens.high=null",
     )
-    req = tables(sim)[0]
+    req, steps = tables(sim)[:2]
     assert len(req) == len(sim.arrivals) and (req.status == "failed").all()
     assert req.fail_reason.str.contains("KV pages on decode node").all()
+    prefills = steps[steps.node.str.startswith("prefill")]
+    assert (len(prefills) > 0) == (handoff == "parallel")  # started, then cancelled
 
 
 def test_a_model_that_does_not_fit_is_a_config_error() -> None:
