@@ -12,13 +12,15 @@ copies over NVLink; the same GPU: local copies) on a side stream:
 
 - `--work gemm`: a bf16 GEMM loop (`--gemms` x 8192^3), the copies issued all at once;
 - `--work prefill`: one prefill of `--tokens` tokens through `--model` at full depth (FlashInfer
-  on CUDA), each layer's copy issued when the layer counter passes that layer, as the cuda wire
-  posts layer-wise (the copies are then that model's KV: `--layer-mib` is ignored).
+  on CUDA), each layer's copy issued when the layer counter passes that layer, the way the
+  prefill server posts layer-wise (a watcher thread feeds a queue; the main thread posts). The
+  copies are then that model's KV: `--layers` and `--layer-mib` are ignored, and a run's copy
+  time spans the first copy to the last, most of the pass.
 
 The copies go five ways: torch's `copy_`; the driver's `cuMemcpyDtoDAsync` (the wire's path to
 another GPU), also issued on the destination GPU's stream ("pulled"); `cuMemcpyPeerAsync`; and
-the runtime's `cudaMemcpyAsync`. Medians of `--repeats`; the work alone is timed between every
-variant's runs, so drift shows.
+the runtime's `cudaMemcpyAsync`. Medians of `--repeats`; each way is compared with the work
+alone timed right after it, so drift between ways does not count as a slowdown.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import ctypes
 import glob
 import json
 import os
+import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.core.kvcache import pages_for
 from disagg.hw.batch import Seq
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
@@ -46,14 +50,17 @@ WAYS = ("torch", "driver", "pulled", "peer", "runtime")
 
 
 def cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded (by soname), or the first libcudart found beside torch."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            pass
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    return ctypes.CDLL(sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True))[0])
+    """The CUDA runtime of torch's CUDA major version: by soname (torch loaded it), else the
+    libcudart installed beside torch."""
+    major = (torch.version.cuda or "").split(".")[0]
+    try:
+        return ctypes.CDLL(f"libcudart.so.{major}")
+    except OSError:
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        found = sorted(glob.glob(f"{site}/nvidia/**/libcudart.so.{major}*", recursive=True))
+        if not found:
+            raise SystemExit(f"no libcudart.so.{major} (torch {torch.__version__})") from None
+        return ctypes.CDLL(found[0])
 
 
 class Copier:
@@ -68,7 +75,8 @@ class Copier:
         self.ctx = {}
         for d in {dev.index, dst_dev.index}:  # the primary contexts torch made on each GPU
             self.ctx[d] = ctypes.c_void_p()
-            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx[d]), ctypes.c_int(d))
+            err = self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx[d]), ctypes.c_int(d))
+            cudadriver._check(err, "cuDevicePrimaryCtxRetain")
         if dst_dev != dev:  # let torch enable peer access both ways before anything is timed
             self.dst[0][:1].copy_(self.src[0][:1])
             self.src[0][:1].copy_(self.dst[0][:1])
@@ -93,7 +101,7 @@ class Copier:
                         n,
                         ctypes.c_void_p(stream.cuda_stream),
                     )
-                    assert err == 0, f"cuMemcpyPeerAsync: error {err}"
+                    cudadriver._check(err, "cuMemcpyPeerAsync")
                 elif way == "runtime":  # device to device (kind 3), as torch's copy_ does
                     err = self.rt.cudaMemcpyAsync(
                         ctypes.c_void_p(d.data_ptr()),
@@ -102,7 +110,8 @@ class Copier:
                         ctypes.c_int(3),
                         ctypes.c_void_p(stream.cuda_stream),
                     )
-                    assert err == 0, f"cudaMemcpyAsync: error {err}"
+                    if err:
+                        raise RuntimeError(f"cudaMemcpyAsync failed: error {err}")
                 else:  # driver, and pulled: the same call on the destination GPU's stream
                     cudadriver.copy_async(
                         d.data_ptr(), s.data_ptr(), self.nbytes, stream.cuda_stream
@@ -124,7 +133,7 @@ def prefill_work(dev: torch.device, model_name: str, tokens: int) -> tuple[Runne
     spec = get_model(model_name)
     model = Transformer(spec, seed=0, device=dev)
     page = 16
-    cache = model.new_cache(-(-tokens // page), page)
+    cache = model.new_cache(pages_for(tokens, page), page)
     prompt = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(0))
     return Runner(model, cache), Seq.of(prompt.tolist(), 0, range(cache.num_pages))
 
@@ -171,24 +180,19 @@ def main() -> None:
         w0.record()
         if with_work and args.work == "prefill":
             before, posted = runner.counter.read(), 0
-
-            def on_layers(n: int) -> None:  # the watcher thread, as the prefill server's
-                nonlocal posted
-                done = min(n - before, layers)
-                if way and done > posted:
-                    if posted == 0:
-                        c0.record(copier.stream(way))
-                    copier.post(way, range(posted, done))
-                    if done == layers:
-                        c1.record(copier.stream(way))
-                posted = max(posted, done)
-
-            with LayerWatcher(runner.counter, on_layers, 50e-6):
+            layer_q: queue.Queue[int] = queue.Queue()
+            with LayerWatcher(runner.counter, layer_q.put, 250e-6):  # as the prefill server
                 runner.step([seq])
                 w1.record()
-                torch.cuda.synchronize(dev)
-                while posted < layers:  # the last layers' copies, after the pass
-                    time.sleep(1e-4)
+                while posted < layers:  # post each layer's copy as the counter passes it
+                    done = min(layer_q.get(timeout=60) - before, layers)
+                    if way and done > posted:
+                        if posted == 0:
+                            c0.record(copier.stream(way))
+                        copier.post(way, range(posted, done))
+                        if done == layers:
+                            c1.record(copier.stream(way))
+                    posted = max(posted, done)
         else:
             if with_work:
                 work()
@@ -198,7 +202,7 @@ def main() -> None:
         copy_s = c0.elapsed_time(c1) / 1e3 if way else 0.0
         return (w0.elapsed_time(w1) / 1e3 if with_work else 0.0), copy_s
 
-    results: dict[str, dict[str, float | None]] = {}
+    results: dict[str, dict[str, float]] = {}
     alone: list[float] = []
     run(None)  # warm-up (kernels, plans)
     for way in ways:
@@ -206,10 +210,12 @@ def main() -> None:
         copies_alone = statistics.median(run(way, False)[1] for _ in range(args.repeats))
         run(way)
         times = [run(way) for _ in range(args.repeats)]
-        alone += [run(None)[0] for _ in range(args.repeats)]
+        mine = [run(None)[0] for _ in range(args.repeats)]  # the work alone, right after
+        alone += mine
         results[way] = {
             "work_s": statistics.median(t[0] for t in times),
-            "copy_s": statistics.median(t[1] for t in times),
+            "work_alone_s": statistics.median(mine),
+            "copy_span_s": statistics.median(t[1] for t in times),
             "copy_alone_s": copies_alone,
         }
     base = statistics.median(alone)
@@ -223,9 +229,8 @@ def main() -> None:
         "| --- | ---: | ---: | ---: |",
     ]
     for way, r in results.items():
-        assert r["work_s"] is not None and r["copy_alone_s"]
         lines.append(
-            f"| {way} | {1e3 * r['work_s']:.2f} | {1e3 * (r['work_s'] - base):.2f} | "
+            f"| {way} | {1e3 * r['work_s']:.2f} | {1e3 * (r['work_s'] - r['work_alone_s']):.2f} | "
             f"{total / r['copy_alone_s'] / 1e9:.0f} |"
         )
     md = "\n".join(lines) + "\n"

@@ -43,7 +43,7 @@ from disagg.hw.attention import (
     make_attention,
 )
 from disagg.hw.batch import BatchMeta, Seq
-from disagg.hw.device import default_dtype, resolve_device, time_it
+from disagg.hw.device import copy_seconds, default_dtype, resolve_device, time_it
 from disagg.hw.model import Transformer
 from disagg.hw.runner import Runner
 from disagg.hw.specs import tiny_gqa
@@ -117,10 +117,9 @@ def gemm_ceiling(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
 
 
 def copy_bandwidth(dev: torch.device, sizes: Sizes) -> dict[str, Any]:
-    src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = statistics.median(time_it(lambda: dst.copy_(src), dev, warmup=3, repeats=20))
+    t = copy_seconds(sizes.copy_bytes, dev, warmup=3, repeats=20)
     return {
+        "device": str(dev),
         "bytes": sizes.copy_bytes,
         "median_s": t,
         "gbps_read_write": 2 * sizes.copy_bytes / t / 1e9,
@@ -216,7 +215,7 @@ def _prefill_fused(
 
 # ---- decode --------------------------------------------------------------------------------
 def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
-    """The CUDA-graph decode step with each FlashInfer decode kernel (attention.DECODE_BACKEND),
+    """The CUDA-graph decode step with each FlashInfer decode kernel (`flashinfer:KERNEL`),
     and where its time goes: the weights-only step (1-token contexts), the layer GEMMs alone at
     M = batch, one layer's attention alone (also at larger pages)."""
     spec, b, ctx, ps = sizes.spec, sizes.decode_batch, sizes.decode_context, sizes.page_size
@@ -232,33 +231,29 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
     elem = model.dtype.itemsize
     weights = model.weight_bytes() - spec.vocab * spec.hidden * elem + b * spec.hidden * elem
     kv = b * (ctx + 1) * spec.kv_bytes_per_token("bf16" if elem == 2 else "fp32")
-    copy_bw = state.get("copy", {}).get("gbps_read_write", float("nan"))
+    copy = state.get("copy", {})
+    if copy.get("device") != str(dev):  # the decode GPU's own (the copy section ran on another)
+        copy = copy_bandwidth(dev, sizes)
+    copy_bw = copy.get("gbps_read_write", float("nan"))
     variants: dict[str, dict[str, Any]] = {}
     default = attention.DECODE_BACKEND
-    # CPU (--smoke): the torch reference, whatever DECODE_BACKEND says
-    kernels = attention.DECODE_BACKENDS if dev.type == "cuda" else ("torch reference",)
-    for kernel in kernels:
-        attention.DECODE_BACKEND = kernel if dev.type == "cuda" else default
+    # each FlashInfer decode kernel; CPU (--smoke): the torch reference
+    kernels = (
+        {k: f"flashinfer:{k}" for k in attention.DECODE_BACKENDS}
+        if dev.type == "cuda"
+        else {"torch reference": "auto"}
+    )
+    for kernel, choice in kernels.items():
         try:
-            runner = Runner(model, cache, graph_batches=(b,))
-            runner.capture()
-            t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
-            t_w = statistics.median(time_it(partial(runner.step, short), dev, warmup=2, repeats=10))
-            variants[kernel] = {
-                "median_s": t,
+            v = _decode_step(model, cache, seqs, dev, choice, short)
+            t, t_w = v["median_s"], v["weights_only_step_s"]
+            variants[kernel] = v | {
                 "gbps": (weights + kv) / t / 1e9,
                 "fraction_of_copy": (weights + kv) / t / 1e9 / copy_bw,
-                "graph": bool(runner._graphs),
-                "graph_error": runner.graph_error,
-                "weights_only_step_s": t_w,
                 "kv_gbps_beyond_weights": kv / max(t - t_w, 1e-9) / 1e9,
-                "attention_one_layer_s": _attention_alone(runner.shape, seqs, cache.layers[0]),
             }
-            del runner
         except Exception as e:  # one kernel failing (say, a JIT build) leaves the others
             variants[kernel] = {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            attention.DECODE_BACKEND = default
     other = _with_fused_ops(dev, partial(_decode_step, model, cache, seqs, dev))
     if "median_s" in other:
         name = f"{default}+{'torch' if model_mod.FUSED_OPS else 'fused'} ops"
@@ -270,6 +265,8 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
     t_eager = statistics.median(time_it(partial(eager.step, seqs), dev, warmup=2, repeats=5))
     del cache, eager
     ok = {k: variants[k] for k in kernels if "median_s" in variants[k]}  # the default ops
+    if not ok:
+        return {"variants": variants, "error": "every decode kernel failed (see variants)"}
     best = min(ok, key=lambda k: ok[k]["median_s"])
     return {
         "batch": b,
@@ -289,19 +286,34 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
 
 
 def _decode_step(
-    model: Transformer, cache: Any, seqs: list[Seq], dev: torch.device
+    model: Transformer,
+    cache: Any,
+    seqs: list[Seq],
+    dev: torch.device,
+    attention: str = "auto",
+    short: list[Seq] | None = None,
 ) -> dict[str, Any]:
-    """Median seconds of the CUDA-graph decode step (graphs captured afresh)."""
-    runner = Runner(model, cache, graph_batches=(len(seqs),))
+    """Median seconds of the CUDA-graph decode step (graphs captured afresh) with `attention`;
+    given `short` (the same rows at 1-token contexts), also the weights-only step and one
+    layer's attention alone."""
+    runner = Runner(model, cache, attention=attention, graph_batches=(len(seqs),))
     runner.capture()
     t = statistics.median(time_it(partial(runner.step, seqs), dev, warmup=3, repeats=10))
-    return {"median_s": t, "graph": bool(runner._graphs), "graph_error": runner.graph_error}
+    out = {"median_s": t, "graph": bool(runner._graphs), "graph_error": runner.graph_error}
+    if short is not None:
+        step = partial(runner.step, short)
+        out["weights_only_step_s"] = statistics.median(time_it(step, dev, warmup=2, repeats=10))
+        layer = cache.layers[0]
+        out["attention_one_layer_s"] = _attention_alone(runner.shape, seqs, layer, attention)
+    return out
 
 
-def _attention_alone(shape: AttnShape, seqs: list[Seq], layer: torch.Tensor) -> float:
+def _attention_alone(
+    shape: AttnShape, seqs: list[Seq], layer: torch.Tensor, attention: str = "auto"
+) -> float:
     """Seconds of one layer's decode attention over `seqs` (planned once, run alone)."""
     dev = layer.device
-    attn = make_attention("auto", shape, dev, layer.dtype)
+    attn = make_attention(attention, shape, dev, layer.dtype)
     attn.plan(BatchMeta.of(seqs, shape.page_size, layer.shape[0] - 1))
     q = torch.randn(len(seqs), shape.heads, shape.head_dim, device=dev).to(layer.dtype)
     return statistics.median(time_it(partial(attn.run, layer, q), dev, warmup=3, repeats=20))

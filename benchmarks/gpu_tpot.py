@@ -35,7 +35,7 @@ from disagg.core.metrics import read_results
 from disagg.hw.device import resolve_device
 from disagg.hw.driver import HwOptions, run_hw
 
-FIELDS = ["completed", "tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]
+FIELDS = ["tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]  # shown in ms
 MODES = ("colocated", "disagg")
 
 
@@ -64,19 +64,20 @@ def experiment(args: argparse.Namespace, mode: str, load: float) -> dict:
 def pass_timeline(ax: plt.Axes, steps: pd.DataFrame, title: str) -> None:
     """Every pass of the decoding node over time; passes that carried prefill tokens in red."""
     node = steps[steps.node.str.startswith(("decode", "colocated"))]
-    plain, mixed = node[node.prefill_tokens == 0], node[node.prefill_tokens > 0]
-    ax.scatter(plain.start_s, plain.duration_s * 1e3, s=3, label="decode only")
-    ax.scatter(mixed.start_s, mixed.duration_s * 1e3, s=6, c="tab:red", label="with prefill")
+    ms = node.duration_s / node.steps * 1e3  # a row may stand for several identical passes
+    plain, mixed = node.prefill_tokens == 0, node.prefill_tokens > 0
+    ax.scatter(node.start_s[plain], ms[plain], s=3, label="decode only")
+    ax.scatter(node.start_s[mixed], ms[mixed], s=6, c="tab:red", label="with prefill")
     ax.set_title(title, fontsize=9)
     ax.set_ylabel("pass (ms)")
     ax.set_yscale("log")
     ax.legend(fontsize=7, markerscale=3, loc="upper right")
 
 
-def tpot_timeline(ax: plt.Axes, out: Path, load: float) -> None:
+def tpot_timeline(ax: plt.Axes, requests: dict[str, pd.DataFrame], load: float) -> None:
     """Each request's TPOT against the time of its first token, both modes at one load."""
     for mode, colour in zip(MODES, ("tab:red", "tab:blue"), strict=True):
-        req = read_results(out / run_name(mode, load))[0]
+        req = requests[run_name(mode, load)]
         req = req[req.status == "finished"].sort_values("first_token_s")
         ax.plot(req.first_token_s, req.tpot_s * 1e3, ".-", ms=3, lw=0.6, c=colour, label=mode)
     ax.set_title(f"{load:g} requests/s", fontsize=9)
@@ -104,36 +105,40 @@ def measure(args: argparse.Namespace, loads: list[float]) -> None:
 
 def report(out: Path, loads: list[float]) -> None:
     """The table (gpu_tpot.md) and both figures, from the run directories under `out`."""
+    cases = [(load, mode, run_name(mode, load)) for load in loads for mode in MODES]
+    names = [name for _, _, name in cases]
+    runs = {name: read_results(out / name) for name in names}
     rows = []
-    for load in loads:
-        for mode in MODES:
-            summary = read_results(out / run_name(mode, load))[3]
-            rows.append(
-                {
-                    "load (req/s)": load,
-                    "mode": mode,
-                    "GPUs": summary["gpus"],
-                    "completed": summary["completed"],
-                    **{f.replace("_s_", " (ms) "): 1e3 * summary[f] for f in FIELDS[1:]},
-                    "output tok/s per GPU": round(summary["output_tps_per_gpu"]),
-                }
-            )
+    for load, mode, name in cases:
+        summary = runs[name][3]
+        rows.append(
+            {
+                "load (req/s)": load,
+                "mode": mode,
+                "GPUs": summary["gpus"],
+                "completed": summary["completed"],
+                **{f.replace("_s_", " (ms) "): 1e3 * summary[f] for f in FIELDS},
+                "output tok/s per GPU": round(summary["output_tps_per_gpu"]),
+            }
+        )
     md = pd.DataFrame(rows).round(2).to_markdown(index=False)
     (out / "gpu_tpot.md").write_text(md + "\n")
     print(md)
     fig, axes = plt.subplots(len(loads), 1, figsize=(10, 2.6 * len(loads)), sharex=True)
+    requests = {name: r[0] for name, r in runs.items()}
     for ax, load in zip(np.atleast_1d(axes), loads, strict=True):
-        tpot_timeline(ax, out, load)
+        tpot_timeline(ax, requests, load)
     np.atleast_1d(axes)[-1].set_xlabel("time of the first token (s)")
     fig.tight_layout()
     fig.savefig(out / "gpu_tpot.png", dpi=110)
-    runs = [run_name(m, load) for load in loads for m in MODES]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), sharex=True)
-    for ax, name in zip(axes, runs, strict=True):
-        pass_timeline(ax, read_results(out / name)[1], name)
+    plt.close(fig)
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.2 * len(names)), sharex=True)
+    for ax, name in zip(axes, names, strict=True):
+        pass_timeline(ax, runs[name][1], name)
     axes[-1].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(out / "gpu_tpot_passes.png", dpi=110)
+    plt.close(fig)
     print(f"wrote {out / 'gpu_tpot.png'} and {out / 'gpu_tpot_passes.png'}")
 
 

@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from disagg.config import build_experiment
-from disagg.hw.device import resolve_device, time_it
+from disagg.core.metrics import read_results
+from disagg.hw.device import copy_seconds, resolve_device
 from disagg.hw.driver import HwOptions, run_hw
 from disagg.models import get_model
 
@@ -62,7 +62,7 @@ def breakdown(req: pd.DataFrame) -> pd.DataFrame:
     ends = ["arrival_s", "prefill_start_s", "prefill_end_s", "ready_s", "first_token_s"]
     names = ["queue", "prefill", "end to ready", "ready to token"]
     ms = pd.DataFrame(
-        {n: 1e3 * (req[b] - req[a]) for n, a, b in zip(names, ends, ends[1:], strict=False)}
+        {n: 1e3 * (req[b] - req[a]) for n, a, b in zip(names, ends[:-1], ends[1:], strict=True)}
     )
     ms["ttft"] = 1e3 * req.ttft_s
     return ms.groupby(req.prompt_tokens).median().round(2)
@@ -79,8 +79,15 @@ def decode_steps(req: pd.DataFrame, steps: pd.DataFrame) -> dict[int, float]:
     return {n: statistics.median(v) if v else float("nan") for n, v in out.items()}
 
 
+def _median(v: np.ndarray) -> float:
+    return float(np.median(v)) if len(v) else float("nan")
+
+
 def gap_interval(a: np.ndarray, b: np.ndarray, draws: int = 5000) -> tuple[float, float]:
-    """90% bootstrap interval of median(b) - median(a), the requests of each run resampled."""
+    """90% bootstrap interval of median(b) - median(a), the requests of each run resampled
+    (NaN when either run has no request to resample)."""
+    if not len(a) or not len(b):
+        return float("nan"), float("nan")
     rng = np.random.default_rng(0)
     gaps = [
         np.median(rng.choice(b, len(b))) - np.median(rng.choice(a, len(a))) for _ in range(draws)
@@ -90,7 +97,10 @@ def gap_interval(a: np.ndarray, b: np.ndarray, draws: int = 5000) -> tuple[float
 
 
 def verdict(lo: float, hi: float, bound: float) -> str:
-    """yes / no when the whole interval is on one side of the bound, else at the line."""
+    """yes / no when the whole interval is on one side of the bound, else at the line (n/a
+    when there is nothing to compare: no finished request of that length)."""
+    if math.isnan(lo) or math.isnan(hi) or math.isnan(bound):
+        return "n/a"
     return "yes" if hi <= bound else "no" if lo > bound else "at the line"
 
 
@@ -99,7 +109,7 @@ def experiment(
 ) -> dict:
     group = {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8}
     return {
-        "name": f"{model}-{mode}-{policy}",
+        "name": f"{model}-{mode}-{policy}-{handoff}",
         "seed": 0,
         "model": {"name": model, "weight_dtype": "bf16", **({"layers": LAYERS} if LAYERS else {})},
         "cluster": {"mode": mode, "colocated": group, "prefill": group, "decode": group},
@@ -107,14 +117,6 @@ def experiment(
         "transfer": {"policy": policy, "handoff": handoff},
         "workload": {"trace": str(trace_path)},
     }
-
-
-def copy_bandwidth(src: str, dst: str, nbytes: int) -> float:
-    """Bytes copied per second by a plain copy of `nbytes` from device `src` to `dst` (a peer
-    copy on two GPUs; counted once, not read plus write; median of 20 after 5 warm-ups)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
-    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
-    return nbytes / statistics.median(time_it(partial(b.copy_, a), a.device, warmup=5, repeats=20))
 
 
 def main() -> None:
@@ -149,25 +151,27 @@ def main() -> None:
             wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
         )
         summary, _ = run_hw(exp, opts, args.out / label)
-        req = pd.read_parquet(args.out / label / "requests.parquet").iloc[1:]  # no warm-up
-        samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
-        ttft[label] = {n: float(np.median(v)) for n, v in samples[label].items()}
-        stages[label] = breakdown(req)
+        req, steps, _, _ = read_results(args.out / label)
+        req = req.iloc[1:]  # no warm-up
         failed = req[req.status != "finished"]
         for _, r in failed.iterrows():
             print(
                 f"{label}: request {r.request_id} ({r.prompt_tokens} tokens) {r.status}: "
-                f"{r.fail_reason}",
+                f"{r.fail_reason}; left out",
                 flush=True,
             )
-        steps = pd.read_parquet(args.out / label / "steps.parquet")
+        req = req[req.status == "finished"]
+        samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
+        ttft[label] = {n: _median(v) for n, v in samples[label].items()}
+        stages[label] = breakdown(req)
         decode_step[label] = decode_steps(req, steps)
         print(
             f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",
             flush=True,
         )
     kv_layer = get_model(args.model).kv_bytes_per_token_per_layer("bf16")
-    bw = copy_bandwidth(pdev, ddev, max(prompts) * kv_layer)
+    nbytes = max(prompts) * kv_layer  # counted once (not read plus write)
+    bw = nbytes / copy_seconds(nbytes, resolve_device(pdev), resolve_device(ddev))
     rows = []
     for n in prompts:
         layer_s = n * kv_layer / bw

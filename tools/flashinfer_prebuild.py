@@ -26,10 +26,9 @@ from pathlib import Path
 def warm(model: str, page_size: int) -> None:
     """Child: one prefill and one graph decode pass of a one-layer `model` (builds its kernels).
     `model@a+b` runs only the decode pass, with each of a, b: a decode kernel
-    (attention.DECODE_BACKEND) or `fused` (model.FUSED_OPS, on by default: only useful with
+    (`--attention flashinfer:KERNEL`) or `fused` (model.FUSED_OPS, on by default: only useful with
     DISAGG_FUSED_OPS=0 in the environment)."""
     from disagg.core.kvcache import pages_for
-    from disagg.hw import attention
     from disagg.hw import model as model_mod
     from disagg.hw.batch import Seq
     from disagg.hw.model import Transformer
@@ -37,18 +36,20 @@ def warm(model: str, page_size: int) -> None:
     from disagg.models import get_model
 
     model, _, kernel = model.partition("@")
+    choice = "auto"
     for part in kernel.split("+") if kernel else ():
         if part == "fused":
             model_mod.FUSED_OPS = True
         else:
-            attention.DECODE_BACKEND = part
+            choice = f"flashinfer:{part}"
     spec = get_model(model).with_layers(1)
     net = Transformer(spec, device="cuda")
     for layout in ("HND", "NHD"):
         if spec.attention == "mla" and layout == "NHD":
             continue
         pages = range(pages_for(49, page_size))  # 40 + 8 + 1 tokens
-        runner = Runner(net, net.new_cache(len(pages) + 8, page_size, layout), graph_batches=(1,))
+        cache = net.new_cache(len(pages) + 8, page_size, layout)
+        runner = Runner(net, cache, attention=choice, graph_batches=(1,))
         if not kernel:  # a decode kernel alone needs no prefill pass
             runner.step([Seq.of(range(40), 0, pages)])
             runner.step([Seq.of(range(8), 40, pages)])

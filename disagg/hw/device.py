@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -88,3 +90,18 @@ def time_it(
             end.record()
         torch.cuda.synchronize(device)
     return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def copy_seconds(
+    nbytes: int,
+    src: torch.device,
+    dst: torch.device | None = None,
+    *,
+    warmup: int = 5,
+    repeats: int = 20,
+) -> float:
+    """Median seconds of one plain copy of `nbytes` from `src` to `dst` (default: within `src`;
+    another GPU: a peer copy), timed on `src` as `time_it` does."""
+    a = torch.ones(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=src if dst is None else dst)
+    return statistics.median(time_it(partial(b.copy_, a), src, warmup=warmup, repeats=repeats))
