@@ -97,8 +97,8 @@ class BatchMeta:
             if used > len(s.pages):
                 raise ConfigError(f"seq {i}: {s.end} tokens need {used} pages, has {len(s.pages)}")
             pages = s.pages[:used]
-            if min(pages) < 0 or max(pages) > num_pages:
-                raise ConfigError(f"seq {i}: page ids must be in 0..{num_pages - 1}")
+            if min(pages) < 0 or max(pages) > num_pages:  # num_pages: the scratch page
+                raise ConfigError(f"seq {i}: page ids must be in 0..{num_pages} (last: scratch)")
             qo.append(qo[-1] + len(s.tokens))
             idx.extend(pages)
             kv_ptr.append(len(idx))
