@@ -7,7 +7,9 @@ ceiling (8192^3) and device copy bandwidth, measured in this run; prefill of 819
 Llama-3.1-8B at full depth (FLOP/s vs the GEMM ceiling, target >= 70%); a CUDA-graph decode
 step at batch 128 x 4096 context (weights + KV bytes/s vs copy bandwidth, target >= 75%); the
 cuda wire moving one request's KV pages between two processes (GB/s vs a plain device copy of
-the same bytes, target >= 90%). Writes bench.json and bench.md into --out.
+the same bytes, target >= 90%), with the layers of both sides in one allocation as KVCache holds
+them, once with the wire's stacked 2D copies (the default) and once one copy per layer (a
+driver 2D copy of the same bytes is a third reference). Writes bench.json and bench.md into --out.
 DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU;
 that path is measured twice, with one driver copy per run and with peer kernels (`peer_kernels`).
 `--compile KIND` only builds FlashInfer's kernels for KIND (prefill, decode, mla) and exits;
@@ -368,6 +370,22 @@ def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
+def _copy_2d_seconds(
+    layers: int, row: int, pitch: int, dev_p: torch.device, dev_d: torch.device
+) -> float:
+    """Median seconds of one driver 2D copy: `layers` rows of `row` bytes, `pitch` apart."""
+    from disagg.hw.transport import cudadriver
+
+    a = torch.ones((layers, pitch), dtype=torch.uint8, device=dev_p)
+    b = torch.empty((layers, pitch), dtype=torch.uint8, device=dev_d)
+
+    def copy() -> None:
+        stream = torch.cuda.current_stream(dev_p).cuda_stream
+        cudadriver.copy_2d_async(b.data_ptr(), pitch, a.data_ptr(), pitch, row, layers, stream)
+
+    return statistics.median(time_it(copy, dev_p, warmup=3, repeats=10))
+
+
 def _transfer_one(
     dev_p: torch.device,
     dev_d: torch.device,
@@ -377,21 +395,22 @@ def _transfer_one(
     pages: int,
     by_address: bool,
     peer_kernels: bool = False,
+    stack: bool = True,
 ) -> dict[str, Any]:
     from disagg.hw.transport.base import Unit, WriteArray
     from disagg.hw.transport.cuda import CudaTransport
     from disagg.hw.transport.peer import ReceiverProcess
 
     pool, nbytes = 2 * pages, pages * pb * layers
-    recv = ReceiverProcess("cuda", [pool * pb] * layers, str(dev_d), "decode")
-    wire = CudaTransport(endpoint="prefill", by_address=by_address, peer_kernels=peer_kernels)
+    # both sides hold their layers in one allocation, as KVCache does
+    recv = ReceiverProcess("cuda", [pool * pb] * layers, str(dev_d), "decode", stacked=True)
+    wire = CudaTransport(
+        endpoint="prefill", by_address=by_address, peer_kernels=peer_kernels, stack=stack
+    )
     try:
-        src = [
-            torch.randint(0, 256, (pool * pb,), dtype=torch.uint8, device=dev_p)
-            for _ in range(layers)
-        ]
-        for i, t in enumerate(src):
-            wire.register(f"s{i}", t)
+        src = torch.randint(0, 256, (layers, pool * pb), dtype=torch.uint8, device=dev_p)
+        for i in range(layers):
+            wire.register(f"s{i}", src[i])
         wire.connect("decode", recv.info, recv.descs)
         a = torch.empty(nbytes, dtype=torch.uint8, device=dev_p)
         b = torch.empty(nbytes, dtype=torch.uint8, device=dev_d)
@@ -399,13 +418,17 @@ def _transfer_one(
         pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
         layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
         del a, b, pieces
+        copy_2d_s = _copy_2d_seconds(layers, pages * pb, pool * pb, dev_p, dev_d)
         copies = "peer kernels" if peer_kernels else "driver, per run"
+        copies = copies if by_address or dev_p != dev_d else "torch"
         out: dict[str, Any] = {
-            "copies": copies if by_address or dev_p != dev_d else "torch",
+            "copies": copies + (", layers stacked as 2D copies" if stack else ""),
+            "stack": stack,
             "tokens": pages * page_size,
             "bytes": nbytes,
             "copy_gbps": nbytes / copy_s / 1e9,
             "per_layer_copy_gbps": nbytes / layer_s / 1e9,
+            "copy_2d_gbps": nbytes / copy_2d_s / 1e9,
         }
         torch.cuda.synchronize(dev_p)
         wr, posts = 0, 0
@@ -469,7 +492,8 @@ def transfer(
     by_address = bool(os.environ.get("DISAGG_WIRE_BY_ADDRESS"))  # driver copies on one GPU too
     ways = [False, True] if by_address or dev_p != dev_d else [False]  # peer kernels too
     runs = [
-        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, by_address, kernels)
+        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, by_address, kernels, stack)
+        for stack in (True, False)
         for kernels in ways
         for n in sizes.transfer_tokens
     ]
@@ -534,7 +558,8 @@ def headline(r: dict[str, Any]) -> list[str]:
                         f" ({run.get('copies', 'torch')})",
                         f"{g:.0f} GB/s",
                         f"plain copy {run['copy_gbps']:.0f} GB/s (as {t['layers']} per-layer "
-                        f"copies {run['per_layer_copy_gbps']:.0f} GB/s)",
+                        f"copies {run['per_layer_copy_gbps']:.0f} GB/s; one 2D copy "
+                        f"{run.get('copy_2d_gbps', math.nan):.0f} GB/s)",
                         run[lay][f"{kind}_fraction_of_copy"],
                         t["target"],
                     )

@@ -7,6 +7,7 @@ import base64
 import random
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
@@ -14,9 +15,16 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import torch
 
 from disagg.errors import TransportError
-from disagg.hw.transport import make_transport
+from disagg.hw.transport import cudadriver, make_transport
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
-from disagg.hw.transport.cuda import CudaTransport, Mapped, as_arrays, tensor_at
+from disagg.hw.transport.cuda import (
+    STACK_MAX_RUNS,
+    CudaTransport,
+    Group,
+    Mapped,
+    as_arrays,
+    tensor_at,
+)
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -75,6 +83,47 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
         wire._copy(src, dst, runs)
         assert torch.equal(dst, want)
     assert len(wire._rows) == (2 if row % 8 == 0 else 0)  # one split per region
+
+
+def _stack_plan(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor | Mapped], wa: WriteArray
+) -> list[tuple[list[Group], int | None]]:
+    """A post's plan: unit i writes `wa`'s runs from srcs[i] to dsts[i], immediate i."""
+    return [([(s, d, coalesce(wa))], i) for i, (s, d) in enumerate(zip(srcs, dsts, strict=True))]
+
+
+def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stacking planner on CPU tensors: the layers of one allocation stack; a layer out of
+    order, other runs, a region too close for its rows, or a pitch over the device's limit end
+    the stack; a local peer's scattered runs do not stack, a mapped peer's do."""
+    wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
+    wire.device = torch.device("cuda", 0)
+    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
+    src, dst = torch.zeros(6, 4096, dtype=torch.uint8), torch.zeros(6, 8192, dtype=torch.uint8)
+    one = WriteArray("s", "d", [512], [1024], [2048])
+    stacked = wire._stackable(_stack_plan(list(src), list(dst), one), 0)
+    assert stacked == 6
+    assert wire._stackable(_stack_plan(list(src), list(dst), one), 2) == 4  # from unit 2 on
+    shuffled = [dst[0], dst[1], dst[3], dst[2], dst[4], dst[5]]
+    assert wire._stackable(_stack_plan(list(src), list(shuffled), one), 0) == 2
+    plan = _stack_plan(list(src), list(dst), one)
+    plan[3] = ([(src[3], dst[3], coalesce(WriteArray("s", "d", [0], [1024], [2048])))], 3)
+    assert wire._stackable(plan, 0) == 3
+    wide = WriteArray("s", "d", [0], [0], [4096 + 1])  # wider than the regions' distance
+    overlapping = list(torch.zeros(7 * 4096, dtype=torch.uint8).as_strided((6, 8192), (4096, 1)))
+    assert wire._stackable(_stack_plan(overlapping, list(dst), wide), 0) == 1
+    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 4096)
+    assert wire._stackable(_stack_plan(list(src), list(dst), one), 0) == 1  # dst pitch 8192
+    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
+    runs = STACK_MAX_RUNS + 1
+    scattered = WriteArray(
+        "s", "d", [i * 128 for i in range(runs)], [i * 256 for i in range(runs)], [64] * runs
+    )
+    assert wire._stackable(_stack_plan(list(src), list(dst), scattered), 0) == 1
+    mapped: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel()) for t in dst]
+    assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
 
 
 @gpu
@@ -155,10 +204,63 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
                 for k in range(b * per, (b + 1) * per)
             ]
             wire.post("decode0", units, wr_id=1 + b)
-        imms, violations = r.ask("wait", 40 * per, True, 60)  # type: ignore[misc]
+        imms, violations = r.ask("wait", 40 * per, True, 60)
         assert imms == list(range(40 * per)) and violations == 0
         done = wait_completions(wire, 40)
         assert [c.wr_id for c in done] == list(range(1, 41)) and all(c.ok for c in done)
+        wire.close()
+    finally:
+        r.close()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("by_address", [False, True], ids=["torch-mapped", "driver-mapped"])
+def test_cuda_layers_of_one_allocation_go_as_2d_copies_that_land_in_place(
+    by_address: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A post of eight layers' pages between two stacked allocations: runs of the same pages go
+    as one 2D copy each (a row per layer), every layer's bytes land, immediates in order; a
+    post whose layers are scattered over more runs than STACK_MAX_RUNS still lands."""
+    layers, size, page = 8, 1 << 18, 4096
+    r = ReceiverProcess("cuda", [size] * layers, _peer_device(), "decode0", stacked=True)
+    try:
+        src = torch.randint(0, 256, (layers, size), dtype=torch.uint8, device="cuda")
+        wire = make_transport("cuda", endpoint="prefill0", by_address=by_address)
+        for i in range(layers):
+            wire.register(f"s{i}", src[i])
+        wire.connect("decode0", r.info, r.descs)
+        calls: list[int] = []  # rows of each 2D copy
+        real = cudadriver.copy_2d_async
+
+        def counted(*args: int) -> None:
+            calls.append(args[5])
+            real(*args)
+
+        monkeypatch.setattr(cudadriver, "copy_2d_async", counted)
+        rng = np.random.default_rng(0)
+        few = (np.array([3, 4, 5, 9, 20, 21]), np.array([40, 41, 42, 7, 30, 31]))  # 3 runs
+        many = tuple(rng.permutation(size // page)[: STACK_MAX_RUNS * 2] for _ in range(2))
+        want = torch.zeros(layers, size, dtype=torch.uint8)
+        host = src.cpu()
+        for wr, (sp, dp) in enumerate((few, many)):
+            wa = WriteArray("s", "r", sp * page, dp * page, np.full(len(sp), page))
+            units = [
+                Unit(WriteArray(f"s{i}", f"r{i}", wa.src_offsets, wa.dst_offsets, wa.nbytes), i)
+                for i in range(layers)
+            ]
+            wire.post("decode0", units, wr_id=wr)
+            assert wait_completions(wire, 1) == [Completion(wr, True)]
+            for a, b in zip(sp.tolist(), dp.tolist(), strict=True):
+                want[:, b * page : (b + 1) * page] = host[:, a * page : (a + 1) * page]
+            if wr == 0:
+                assert calls == [layers] * 3  # one 2D copy per run of pages, a row per layer
+        scattered_2d = len(calls) - 3
+        assert scattered_2d == (STACK_MAX_RUNS * 2 if by_address else 0)  # mapped: still 2D
+        for i in range(layers):
+            assert r.ask("read", i) == bytes(want[i].numpy().tobytes()), f"layer {i}"
+        imms, _ = r.ask("wait", 2 * layers, False, 20)
+        assert imms == list(range(layers)) * 2
         wire.close()
     finally:
         r.close()

@@ -21,6 +21,12 @@ tensor of the sender's GPU instead, and its runs go out as one batched copy like
 peer's: kernels on the sender's GPU that write through the peer mapping. That option is not
 measured on two GPUs yet.
 
+Units of one post that repeat the same runs in regions lying at one distance from each other on
+both sides (the layers of a KV cache allocated as one tensor, when a post carries several layers)
+go out as 2D copies instead: one driver copy per run, a row per layer (`stack`; at most
+STACK_MAX_RUNS runs per layer for a local peer, whose scattered runs go better as batched
+copies). One event then vouches for every unit of the stack.
+
 The copies do not wait for other streams: post only bytes already written (the layer counter
 guarantees this for KV pages) or synchronise first.
 """
@@ -63,6 +69,14 @@ class Mapped:
 
     def numel(self) -> int:
         return self.nbytes
+
+
+Group = tuple[torch.Tensor, torch.Tensor | Mapped, Runs]  # source, destination, runs
+STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as 2D copies
+
+
+def _address(t: torch.Tensor | Mapped) -> int:
+    return t.ptr if isinstance(t, Mapped) else t.data_ptr()
 
 
 def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
@@ -111,11 +125,15 @@ class CudaTransport(SocketWire):
         *,
         by_address: bool = False,
         peer_kernels: bool | None = None,
+        stack: bool | None = None,
     ) -> None:
         """`by_address` maps every peer region through the driver, also on this GPU (tests use
         it to run the two-GPU copy path on one GPU); by default only other GPUs' regions.
         `peer_kernels` copies into such regions with kernels of this GPU instead of one driver
-        copy per run (default: DISAGG_WIRE_PEER_KERNELS=1 in the environment)."""
+        copy per run (default: DISAGG_WIRE_PEER_KERNELS=1 in the environment). `stack` sends
+        the units of one post that repeat the same runs in regions at a uniform distance (the
+        layers of one KV allocation) as 2D copies, a row per unit (default: on, unless
+        DISAGG_WIRE_STACK=0)."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
@@ -123,6 +141,9 @@ class CudaTransport(SocketWire):
         if peer_kernels is None:
             peer_kernels = os.environ.get("DISAGG_WIRE_PEER_KERNELS", "") not in ("", "0")
         self.peer_kernels = peer_kernels
+        if stack is None:
+            stack = os.environ.get("DISAGG_WIRE_STACK", "1") != "0"
+        self.stack = stack
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
@@ -251,22 +272,64 @@ class CudaTransport(SocketWire):
         self._check_open()
         if peer not in self._links or self._stream is None:
             raise TransportError(f"not connected to peer {peer!r} (or nothing registered)")
-        plan = []
+        plan: list[tuple[list[Group], int | None]] = []
         for unit in units:  # validate everything before issuing anything
             check_imm(unit)
             plan.append(([self._resolve(peer, wa) for wa in as_arrays(unit.writes)], unit.imm))
         marks = []
         with torch.cuda.stream(self._stream):
-            for groups, imm in plan:
-                for src, dst, runs in groups:
-                    self._copy(src, dst, runs)
-                if imm is not None:
+            i = 0
+            while i < len(plan):
+                k = self._stackable(plan, i) if self.stack else 1
+                if k > 1:
+                    self._copy_stacked([groups[0] for groups, _ in plan[i : i + k]])
+                else:
+                    for src, dst, runs in plan[i][0]:
+                        self._copy(src, dst, runs)
+                imms = [imm for _, imm in plan[i : i + k] if imm is not None]
+                if imms:  # one event vouches for every unit of a stacked copy
                     event = torch.cuda.Event()
                     event.record(self._stream)
-                    marks.append((event, imm))
+                    marks += [(event, imm) for imm in imms]
+                i += k
             final = torch.cuda.Event()
             final.record(self._stream)
         self._links[peer].submit((marks, final), wr_id)
+
+    def _stackable(self, plan: list[tuple[list[Group], int | None]], i: int) -> int:
+        """How many units from `plan[i]` on write the same runs between regions that lie at
+        one distance from each other on both sides (the layers of one KV allocation): they go
+        out as one 2D copy per run, rows = units. 1 if none can join."""
+        if len(plan[i][0]) != 1:
+            return 1
+        src0, dst0, (s0, d0, n0) = plan[i][0][0]
+        if not len(n0) or (len(n0) > STACK_MAX_RUNS and not isinstance(dst0, Mapped)):
+            return 1
+        assert self.device is not None
+        limit = cudadriver.max_pitch(self.device.index or 0)
+        k, pitches = 1, (0, 0)
+        while i + k < len(plan) and len(plan[i + k][0]) == 1:
+            src, dst, (s, d, n) = plan[i + k][0][0]
+            step = (src.data_ptr() - src0.data_ptr(), _address(dst) - _address(dst0))
+            if k == 1:
+                if min(step) < int(n0.max()) or max(step) > limit:
+                    break  # rows must not overlap (pitch >= width) and fit the device's limit
+                pitches = step
+            elif step != (k * pitches[0], k * pitches[1]):
+                break
+            if not (np.array_equal(s, s0) and np.array_equal(d, d0) and np.array_equal(n, n0)):
+                break
+            k += 1
+        return k
+
+    def _copy_stacked(self, groups: list[Group]) -> None:
+        """One 2D copy per run of `groups[0]`, a row per group (see `_stackable`)."""
+        assert self._stream is not None
+        (src0, dst0, (s, d, n)), (src1, dst1, _) = groups[0], groups[1]
+        sp, dp = src1.data_ptr() - src0.data_ptr(), _address(dst1) - _address(dst0)
+        base_s, base_d, stream = src0.data_ptr(), _address(dst0), self._stream.cuda_stream
+        for so, do, k in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
+            cudadriver.copy_2d_async(base_d + do, dp, base_s + so, sp, k, len(groups), stream)
 
     def close(self) -> None:
         super().close()

@@ -18,7 +18,32 @@ from typing import Any
 from disagg.errors import TransportError
 
 LAZY_ENABLE_PEER_ACCESS = 0x1
+MEMORYTYPE_DEVICE = 2
+ATTRIBUTE_MAX_PITCH = 11
 CUdeviceptr = ctypes.c_uint64
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (device to device: the host and array fields stay zero)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", CUdeviceptr),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", CUdeviceptr),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
 
 
 class IpcHandle(ctypes.Structure):
@@ -40,6 +65,9 @@ def _lib() -> Any:
         CUdeviceptr,
     ]
     lib.cuMemcpyDtoDAsync_v2.argtypes = [CUdeviceptr, CUdeviceptr, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -83,3 +111,34 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Device-to-device copy of `nbytes` on `stream` (a cudaStream_t); both addresses mapped in
     the stream's context."""
     _check(_lib().cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+def copy_2d_async(
+    dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int
+) -> None:
+    """`height` rows of `width` bytes, row r from `src + r * src_pitch` to `dst + r * dst_pitch`,
+    on `stream`: one copy for the same run of pages in `height` layers whose tensors lie at a
+    uniform distance from each other (pitches at most `max_pitch` of the device)."""
+    p = Memcpy2D(
+        srcMemoryType=MEMORYTYPE_DEVICE,
+        srcDevice=src,
+        srcPitch=src_pitch,
+        dstMemoryType=MEMORYTYPE_DEVICE,
+        dstDevice=dst,
+        dstPitch=dst_pitch,
+        WidthInBytes=width,
+        Height=height,
+    )
+    _check(_lib().cuMemcpy2DAsync_v2(ctypes.byref(p), stream), "cuMemcpy2DAsync")
+
+
+@functools.cache
+def max_pitch(ordinal: int) -> int:
+    """The largest pitch a 2D copy on GPU `ordinal` accepts (CU_DEVICE_ATTRIBUTE_MAX_PITCH)."""
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    _check(_lib().cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(
+        _lib().cuDeviceGetAttribute(ctypes.byref(value), ATTRIBUTE_MAX_PITCH, dev),
+        "cuDeviceGetAttribute",
+    )
+    return int(value.value)

@@ -1,7 +1,8 @@
 """A receiving endpoint in a child process, for tests and benchmarks of the wires.
 
 `serve_receiver` is the body of a spawned process: it registers regions of the given sizes
-(zeroed; CPU bytearrays for tcp, CUDA tensors for cuda), sends `(local_info, [descriptor
+(zeroed; CPU bytearrays for tcp, CUDA tensors for cuda; `stacked`: rows of one CUDA tensor, as
+a KV cache's layers are), sends `(local_info, [descriptor
 dicts])` through its pipe, then answers commands until told to close:
     ("wait", n, check_order, timeout_s) -> (immediates seen, order violations)
     ("read", region_index)              -> the region's bytes
@@ -32,11 +33,15 @@ def slot_bytes(k: int) -> bytes:
     return np.full(4, k, dtype="<u4").tobytes()
 
 
-def _buffers(wire: str, sizes: Sequence[int], device: str) -> list[Any]:
+def _buffers(wire: str, sizes: Sequence[int], device: str, stacked: bool = False) -> list[Any]:
     if wire != "cuda":
         return [bytearray(n) for n in sizes]
     import torch
 
+    if stacked:
+        if len(set(sizes)) != 1:
+            raise ValueError(f"stacked regions have one size, got {sorted(set(sizes))}")
+        return list(torch.zeros((len(sizes), sizes[0]), dtype=torch.uint8, device=device))
     return [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
 
 
@@ -69,10 +74,11 @@ def serve_receiver(
     sizes: Sequence[int],
     device: str = "cpu",
     endpoint: str = "receiver",
+    stacked: bool = False,
 ) -> None:
     """Child-process body: see the module doc for the protocol over `conn`."""
     wire = make_transport(wire_name, endpoint=endpoint)
-    bufs = _buffers(wire_name, sizes, device)
+    bufs = _buffers(wire_name, sizes, device, stacked)
     descs = [wire.register(f"r{i}", b).to_dict() for i, b in enumerate(bufs)]
     conn.send((wire.local_info(), descs))
     while True:
@@ -91,12 +97,19 @@ class ReceiverProcess:
     """A spawned child running `serve_receiver`; `info` and `descs` are its endpoint's."""
 
     def __init__(
-        self, wire: str, sizes: Sequence[int], device: str = "cpu", endpoint: str = "receiver"
+        self,
+        wire: str,
+        sizes: Sequence[int],
+        device: str = "cpu",
+        endpoint: str = "receiver",
+        stacked: bool = False,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=serve_receiver, args=(child, wire, list(sizes), device, endpoint), daemon=True
+            target=serve_receiver,
+            args=(child, wire, list(sizes), device, endpoint, stacked),
+            daemon=True,
         )
         self.proc.start()
         info, descs = self.conn.recv()
