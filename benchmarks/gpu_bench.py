@@ -8,7 +8,7 @@ Llama-3.1-8B at full depth (FLOP/s vs the GEMM ceiling, target >= 70%); a CUDA-g
 step at batch 128 x 4096 context (weights + KV bytes/s vs copy bandwidth, target >= 75%); the
 cuda wire moving one request's KV pages between two processes (GB/s vs a plain device copy of
 the same bytes, target >= 90%), with the layers of both sides in one allocation as KVCache holds
-them, once with the wire's stacked 2D copies (the default) and once one copy per layer (a
+them, once with the wire's stacked copies (the default) and once one copy per layer (a
 driver 2D copy of the same bytes is a third reference). Writes bench.json and bench.md into --out.
 DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU;
 that path is measured twice, with one driver copy per run and with peer kernels (`peer_kernels`).
@@ -422,7 +422,7 @@ def _transfer_one(
         copies = "peer kernels" if peer_kernels else "driver, per run"
         copies = copies if by_address or dev_p != dev_d else "torch"
         out: dict[str, Any] = {
-            "copies": copies + (", layers stacked as 2D copies" if stack else ""),
+            "copies": copies + (", layers stacked" if stack else ""),
             "stack": stack,
             "tokens": pages * page_size,
             "bytes": nbytes,

@@ -96,34 +96,56 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The stacking planner on CPU tensors: the layers of one allocation stack; a layer out of
-    order, other runs, a region too close for its rows, or a pitch over the device's limit end
-    the stack; a local peer's scattered runs do not stack, a mapped peer's do."""
+    order, other runs, rows that would overlap, bytes not in 16-byte words, or (mapped peer) a
+    pitch over the device's limit end the stack; a local peer's scattered runs do not stack, a
+    mapped peer's do."""
     wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
     wire.device = torch.device("cuda", 0)
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
     src, dst = torch.zeros(6, 4096, dtype=torch.uint8), torch.zeros(6, 8192, dtype=torch.uint8)
     one = WriteArray("s", "d", [512], [1024], [2048])
-    stacked = wire._stackable(_stack_plan(list(src), list(dst), one), 0)
-    assert stacked == 6
+    assert wire._stackable(_stack_plan(list(src), list(dst), one), 0) == 6
     assert wire._stackable(_stack_plan(list(src), list(dst), one), 2) == 4  # from unit 2 on
     shuffled = [dst[0], dst[1], dst[3], dst[2], dst[4], dst[5]]
     assert wire._stackable(_stack_plan(list(src), list(shuffled), one), 0) == 2
     plan = _stack_plan(list(src), list(dst), one)
     plan[3] = ([(src[3], dst[3], coalesce(WriteArray("s", "d", [0], [1024], [2048])))], 3)
     assert wire._stackable(plan, 0) == 3
-    wide = WriteArray("s", "d", [0], [0], [4096 + 1])  # wider than the regions' distance
+    wide = WriteArray("s", "d", [0], [0], [4096 + 16])  # wider than the regions' distance
     overlapping = list(torch.zeros(7 * 4096, dtype=torch.uint8).as_strided((6, 8192), (4096, 1)))
     assert wire._stackable(_stack_plan(overlapping, list(dst), wide), 0) == 1
+    odd = WriteArray("s", "d", [512], [1024], [2040])
+    assert wire._stackable(_stack_plan(list(src), list(dst), odd), 0) == 1
+    mapped: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel()) for t in dst]
+    assert wire._stackable(_stack_plan(list(src), mapped, odd), 0) == 6  # driver: any bytes
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 4096)
-    assert wire._stackable(_stack_plan(list(src), list(dst), one), 0) == 1  # dst pitch 8192
+    assert wire._stackable(_stack_plan(list(src), mapped, one), 0) == 1  # dst pitch 8192
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
     runs = STACK_MAX_RUNS + 1
     scattered = WriteArray(
         "s", "d", [i * 128 for i in range(runs)], [i * 256 for i in range(runs)], [64] * runs
     )
     assert wire._stackable(_stack_plan(list(src), list(dst), scattered), 0) == 1
-    mapped: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel()) for t in dst]
     assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
+
+
+def test_a_stacked_copy_puts_every_layers_runs_in_place() -> None:
+    """The strided copy (a row per layer, 16-byte words) on CPU tensors: three runs of pages in
+    five layers land where five per-layer copies would put them, and nothing else changes."""
+    wire = object.__new__(CudaTransport)
+    wire.device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (5, 4096), dtype=torch.uint8, generator=gen)
+    dst = torch.randint(0, 256, (5, 6144), dtype=torch.uint8, generator=gen)
+    want = dst.clone()
+    wa = WriteArray("s", "d", [0, 1024, 2048], [4096, 512, 2048], [512, 1024, 2048])
+    plan = _stack_plan(list(src), list(dst), wa)
+    assert wire._stackable(plan, 0) == 5
+    wire._copy_stacked([groups[0] for groups, _ in plan])
+    for layer in range(5):
+        for so, do, k in zip(wa.src_offsets, wa.dst_offsets, wa.nbytes, strict=True):
+            want[layer, do : do + k] = src[layer, so : so + k]
+    assert torch.equal(dst, want)
 
 
 @gpu
@@ -219,9 +241,10 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
 def test_cuda_layers_of_one_allocation_go_as_2d_copies_that_land_in_place(
     by_address: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A post of eight layers' pages between two stacked allocations: runs of the same pages go
-    as one 2D copy each (a row per layer), every layer's bytes land, immediates in order; a
-    post whose layers are scattered over more runs than STACK_MAX_RUNS still lands."""
+    """A post of eight layers' pages between two stacked allocations: the layers go as one
+    stacked copy (a row per layer: strided torch copies, or driver 2D copies into a region
+    mapped by address), every layer's bytes land, immediates in order; a post whose layers are
+    scattered over more runs than STACK_MAX_RUNS still lands (stacked only when mapped)."""
     layers, size, page = 8, 1 << 18, 4096
     r = ReceiverProcess("cuda", [size] * layers, _peer_device(), "decode0", stacked=True)
     try:
@@ -230,14 +253,14 @@ def test_cuda_layers_of_one_allocation_go_as_2d_copies_that_land_in_place(
         for i in range(layers):
             wire.register(f"s{i}", src[i])
         wire.connect("decode0", r.info, r.descs)
-        calls: list[int] = []  # rows of each 2D copy
-        real = cudadriver.copy_2d_async
+        calls: list[int] = []  # units of each stacked copy
+        real = CudaTransport._copy_stacked
 
-        def counted(*args: int) -> None:
-            calls.append(args[5])
-            real(*args)
+        def counted(self: CudaTransport, groups: list[Group]) -> None:
+            calls.append(len(groups))
+            real(self, groups)
 
-        monkeypatch.setattr(cudadriver, "copy_2d_async", counted)
+        monkeypatch.setattr(CudaTransport, "_copy_stacked", counted)
         rng = np.random.default_rng(0)
         few = (np.array([3, 4, 5, 9, 20, 21]), np.array([40, 41, 42, 7, 30, 31]))  # 3 runs
         many = tuple(rng.permutation(size // page)[: STACK_MAX_RUNS * 2] for _ in range(2))
@@ -253,10 +276,8 @@ def test_cuda_layers_of_one_allocation_go_as_2d_copies_that_land_in_place(
             assert wait_completions(wire, 1) == [Completion(wr, True)]
             for a, b in zip(sp.tolist(), dp.tolist(), strict=True):
                 want[:, b * page : (b + 1) * page] = host[:, a * page : (a + 1) * page]
-            if wr == 0:
-                assert calls == [layers] * 3  # one 2D copy per run of pages, a row per layer
-        scattered_2d = len(calls) - 3
-        assert scattered_2d == (STACK_MAX_RUNS * 2 if by_address else 0)  # mapped: still 2D
+        # one stacked copy of the few runs; the many runs stack only into a mapped region
+        assert calls == [layers] * (2 if by_address else 1)
         for i in range(layers):
             assert r.ask("read", i) == bytes(want[i].numpy().tobytes()), f"layer {i}"
         imms, _ = r.ask("wait", 2 * layers, False, 20)

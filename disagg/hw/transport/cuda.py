@@ -23,9 +23,11 @@ measured on two GPUs yet.
 
 Units of one post that repeat the same runs in regions lying at one distance from each other on
 both sides (the layers of a KV cache allocated as one tensor, when a post carries several layers)
-go out as 2D copies instead: one driver copy per run, a row per layer (`stack`; at most
-STACK_MAX_RUNS runs per layer for a local peer, whose scattered runs go better as batched
-copies). One event then vouches for every unit of the stack.
+go out as one copy per run instead, a row per layer (`stack`): between two storages of this GPU
+a strided torch copy of 16-byte words (as fast as one plain copy of the same bytes, where one
+copy per layer reaches 73% for a 4k-token Llama-8B request), into a region mapped by address a
+driver 2D copy. A local peer's layers stack only up to STACK_MAX_RUNS runs per layer (more go
+better as batched copies). One event then vouches for every unit of the stack.
 
 The copies do not wait for other streams: post only bytes already written (the layer counter
 guarantees this for KV pages) or synchronise first.
@@ -75,8 +77,31 @@ Group = tuple[torch.Tensor, torch.Tensor | Mapped, Runs]  # source, destination,
 STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as 2D copies
 
 
+WORD = 16  # bytes per element of a stacked local copy (complex128): the fastest measured
+
+
 def _address(t: torch.Tensor | Mapped) -> int:
     return t.ptr if isinstance(t, Mapped) else t.data_ptr()
+
+
+def _same_storage(a: torch.Tensor | Mapped, b: torch.Tensor | Mapped) -> bool:
+    """Both are views of one torch storage (a region mapped by address is none)."""
+    if isinstance(a, Mapped) or isinstance(b, Mapped):
+        return False
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _unaligned(src: torch.Tensor, dst: torch.Tensor | Mapped, *offsets: np.ndarray) -> bool:
+    """True unless both regions and every offset and size are whole 16-byte words."""
+    starts = (src.data_ptr(), _address(dst))
+    return any(a % WORD for a in starts) or any(bool((o % WORD).any()) for o in offsets)
+
+
+def _rows(t: torch.Tensor, first: int, pitch: int, width: int, rows: int) -> torch.Tensor:
+    """`rows` rows of `width` bytes, `pitch` bytes apart from byte `first` of the flat uint8
+    region `t`, as 16-byte words: a view of t's storage (which must hold every row)."""
+    view = t.as_strided((rows, width), (pitch, 1), t.storage_offset() + first)
+    return view.view(torch.complex128)
 
 
 def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
@@ -104,11 +129,18 @@ def tensor_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _wait_and_notify(link: Link, job: Events) -> None:
-    """Worker side: send each immediate once its unit's copies are done, then finish."""
+    """Worker side: send each immediate once its unit's copies are done, then finish. The
+    immediates of one event (a stacked copy's units) leave in one send."""
     marks, final = job
-    for event, imm in marks:
+    i = 0
+    while i < len(marks):
+        event = marks[i][0]
         event.synchronize()
-        link.send(frame(IMM, imm))
+        j = i
+        while j < len(marks) and marks[j][0] is event:
+            j += 1
+        link.send(b"".join(frame(IMM, imm) for _, imm in marks[i:j]))
+        i = j
     final.synchronize()
 
 
@@ -214,18 +246,24 @@ class CudaTransport(SocketWire):
         return self._stream
 
     def _resolve(
-        self, peer: str, wa: WriteArray
+        self, peer: str, wa: WriteArray, seen: dict[tuple[int, ...], tuple[Any, ...]]
     ) -> tuple[torch.Tensor, torch.Tensor | Mapped, Runs]:
-        """The two regions and the coalesced runs of `wa`; TransportError if out of bounds."""
+        """The two regions and the coalesced runs of `wa`; TransportError if out of bounds.
+        `seen` keeps the runs of arrays already coalesced in this post: the units of a
+        multi-layer post share one set of offsets (the same pages in every layer). It holds
+        the arrays too, so that no id is reused while it lives."""
         src, dst = self._local.get(wa.src), self._remote[peer].get(wa.dst)
         if src is None or dst is None:
             raise TransportError(f"unknown region {wa.src!r} -> {wa.dst!r} (local, or of {peer!r})")
-        s, d, n = runs = coalesce(wa)
-        if len(n) and (
-            min(s.min(), d.min(), n.min() - 1) < 0
-            or (s + n).max() > src.numel()
-            or (d + n).max() > dst.numel()
-        ):
+        key = (id(wa.src_offsets), id(wa.dst_offsets), id(wa.nbytes))
+        if key not in seen:
+            s, d, n = runs = coalesce(wa)
+            if len(n) and min(s.min(), d.min(), n.min() - 1) < 0:
+                raise TransportError(f"a write {wa.src!r} -> {wa.dst!r} is out of bounds")
+            ends = (int((s + n).max()), int((d + n).max())) if len(n) else (0, 0)
+            seen[key] = (runs, *ends, (wa.src_offsets, wa.dst_offsets, wa.nbytes))
+        runs, src_end, dst_end, _ = seen[key]
+        if src_end > src.numel() or dst_end > dst.numel():
             raise TransportError(f"a write {wa.src!r} -> {wa.dst!r} is out of bounds")
         return src, dst, runs
 
@@ -273,9 +311,11 @@ class CudaTransport(SocketWire):
         if peer not in self._links or self._stream is None:
             raise TransportError(f"not connected to peer {peer!r} (or nothing registered)")
         plan: list[tuple[list[Group], int | None]] = []
+        seen: dict[tuple[int, ...], tuple[Any, ...]] = {}
         for unit in units:  # validate everything before issuing anything
             check_imm(unit)
-            plan.append(([self._resolve(peer, wa) for wa in as_arrays(unit.writes)], unit.imm))
+            groups = [self._resolve(peer, wa, seen) for wa in as_arrays(unit.writes)]
+            plan.append((groups, unit.imm))
         marks = []
         with torch.cuda.stream(self._stream):
             i = 0
@@ -299,37 +339,60 @@ class CudaTransport(SocketWire):
     def _stackable(self, plan: list[tuple[list[Group], int | None]], i: int) -> int:
         """How many units from `plan[i]` on write the same runs between regions that lie at
         one distance from each other on both sides (the layers of one KV allocation): they go
-        out as one 2D copy per run, rows = units. 1 if none can join."""
+        out as one copy per run, a row per unit (`_copy_stacked`). 1 if none can join."""
         if len(plan[i][0]) != 1:
             return 1
         src0, dst0, (s0, d0, n0) = plan[i][0][0]
-        if not len(n0) or (len(n0) > STACK_MAX_RUNS and not isinstance(dst0, Mapped)):
+        mapped = isinstance(dst0, Mapped)
+        if not len(n0):
             return 1
-        assert self.device is not None
-        limit = cudadriver.max_pitch(self.device.index or 0)
+        if mapped:
+            assert self.device is not None
+            limit = cudadriver.max_pitch(self.device.index or 0)
+        elif len(n0) > STACK_MAX_RUNS or _unaligned(src0, dst0, s0, d0, n0):
+            return 1
+        else:
+            limit = 1 << 62
         k, pitches = 1, (0, 0)
         while i + k < len(plan) and len(plan[i + k][0]) == 1:
             src, dst, (s, d, n) = plan[i + k][0][0]
+            if isinstance(dst, Mapped) != mapped:
+                break
+            if not (mapped or (_same_storage(src, src0) and _same_storage(dst, dst0))):
+                break  # a strided view spans one storage
             step = (src.data_ptr() - src0.data_ptr(), _address(dst) - _address(dst0))
             if k == 1:
-                if min(step) < int(n0.max()) or max(step) > limit:
+                if min(step) < int(n0.max()) or max(step) > limit or step[0] % WORD:
                     break  # rows must not overlap (pitch >= width) and fit the device's limit
+                if step[1] % WORD and not mapped:
+                    break
                 pitches = step
             elif step != (k * pitches[0], k * pitches[1]):
                 break
-            if not (np.array_equal(s, s0) and np.array_equal(d, d0) and np.array_equal(n, n0)):
+            if not all(a is b or np.array_equal(a, b) for a, b in ((s, s0), (d, d0), (n, n0))):
                 break
             k += 1
         return k
 
     def _copy_stacked(self, groups: list[Group]) -> None:
-        """One 2D copy per run of `groups[0]`, a row per group (see `_stackable`)."""
-        assert self._stream is not None
+        """One copy per run of `groups[0]`, a row per group (see `_stackable`): a strided torch
+        copy of 16-byte words between two storages of this GPU (as fast as one plain copy of
+        the same bytes on an H200), a driver 2D copy into a region mapped by address."""
         (src0, dst0, (s, d, n)), (src1, dst1, _) = groups[0], groups[1]
-        sp, dp = src1.data_ptr() - src0.data_ptr(), _address(dst1) - _address(dst0)
-        base_s, base_d, stream = src0.data_ptr(), _address(dst0), self._stream.cuda_stream
-        for so, do, k in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
-            cudadriver.copy_2d_async(base_d + do, dp, base_s + so, sp, k, len(groups), stream)
+        sp, dp, rows = (
+            src1.data_ptr() - src0.data_ptr(),
+            _address(dst1) - _address(dst0),
+            len(groups),
+        )
+        spans = zip(s.tolist(), d.tolist(), n.tolist(), strict=True)
+        if isinstance(dst0, Mapped):
+            assert self._stream is not None
+            base_s, stream = src0.data_ptr(), self._stream.cuda_stream
+            for so, do, k in spans:
+                cudadriver.copy_2d_async(dst0.ptr + do, dp, base_s + so, sp, k, rows, stream)
+            return
+        for so, do, k in spans:
+            _rows(dst0, do, dp, k, rows).copy_(_rows(src0, so, sp, k, rows), non_blocking=True)
 
     def close(self) -> None:
         super().close()
