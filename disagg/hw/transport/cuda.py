@@ -320,7 +320,7 @@ class CudaTransport(SocketWire):
         with torch.cuda.stream(self._stream):
             i = 0
             while i < len(plan):
-                k = self._stackable(plan, i) if self.stack else 1
+                k = self._stackable(plan, i) if self.stack and i + 1 < len(plan) else 1
                 if k > 1:
                     self._copy_stacked([groups[0] for groups, _ in plan[i : i + k]])
                 else:
