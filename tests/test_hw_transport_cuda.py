@@ -187,7 +187,8 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
 ) -> None:
     """Every copy path: torch's IPC mapping (peer on this GPU), the driver's mapping in the
     sender's context (peer on another GPU, or forced with by_address) copied one run at a time,
-    and the same mapping wrapped as a tensor and copied by kernels (peer_kernels)."""
+    and the same mapping also wrapped as a tensor, its many-run groups copied by kernels
+    (peer_kernels)."""
     r = ReceiverProcess("cuda", (ORDER, SCATTER), _peer_device(), "decode0")
     try:
         rng = random.Random(0)
@@ -199,10 +200,10 @@ def test_cuda_writes_land_and_immediates_follow_their_bytes_in_order(
         wire = _sender(r, src, by_address, kernels)
         two_gpus = torch.cuda.device_count() > 1  # then copies go by address, as peer copies
         mapped = wire._remote["decode0"]["r1"]  # type: ignore[attr-defined]
-        if kernels:  # a tensor of the sender's GPU over the mapped region
-            assert isinstance(mapped, torch.Tensor) and mapped.device == src.device
-        else:
-            assert isinstance(mapped, Mapped) == (two_gpus or by_address)
+        assert isinstance(mapped, Mapped) == (two_gpus or by_address)
+        if isinstance(mapped, Mapped):  # kernels: a tensor of the sender's GPU over the mapping
+            view = mapped.view
+            assert (view is not None and view.device == src.device) if kernels else view is None
         # scatter: 400 disjoint 256-byte slots of r1, random sources and sizes, two units
         starts = sorted(rng.sample(range(0, SCATTER - 256, 256), 400))
         writes = [
