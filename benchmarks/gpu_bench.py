@@ -11,7 +11,8 @@ the same bytes, target >= 90%), with the layers of both sides in one allocation 
 them, once with the wire's stacked copies (the default) and once one copy per layer (a
 driver 2D copy of the same bytes is a third reference). Writes bench.json and bench.md into --out.
 DISAGG_WIRE_BY_ADDRESS=1 sends through the wire's driver-mapped path (its two-GPU path) on one GPU;
-that path is measured twice, with one driver copy per run and with peer kernels (`peer_kernels`).
+that path is measured twice, with one driver copy per run and with peer kernels (`peer_kernels`,
+the default in the wire).
 `--compile KIND` only builds FlashInfer's kernels for KIND (prefill, decode, mla) and exits;
 `--smoke` runs the same code on the CPU with toy sizes (no FlashInfer, no cuda wire).
 """

@@ -3,6 +3,7 @@ so a script that only runs on lent GPUs does not rot between device sessions."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,37 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     rows = [r for r in report.splitlines() if r.startswith("|") and r.split("|")[1].strip()]
     assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Path) -> None:
+    """Over the tcp wire between two processes: every immediate posted is seen, and each post
+    completes after it was issued."""
+    done = _script("wire_latency.py", "--wire", "tcp", "--tokens", "64", "--repeats", "3",
+                   "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "wire_latency.json").read_text())
+    assert r["immediates_seen"] == r["immediates_posted"] == 5 * (1 + 1 + 32)
+    posts = [v for v in r.values() if isinstance(v, dict)]
+    assert len(posts) == 3
+    assert all(0 < p["post_ms"] <= p["copied_ms"] <= p["completed_ms"] for p in posts)
+
+
+def test_copy_ways_dry_run_checks_every_ways_bytes(tmp_path: Path) -> None:
+    """On CPU tensors every torch way copies the run of every layer exactly; the driver's way
+    needs a GPU and is recorded as failed, not skipped silently."""
+    done = _script("copy_ways.py", "--src-device", "cpu", "--dst-device", "cpu", "--tokens",
+                   "16", "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (r,) = json.loads((tmp_path / "copy_ways.json").read_text())
+    torch_ways = [v for k, v in r.items() if isinstance(v, dict) and not k.startswith("driver")]
+    assert len(torch_ways) == 6 and all(v["bytes_ok"] for v in torch_ways)
+    assert all("error" in r[k] for k in ("driver copy per layer", "driver 2D copy"))
