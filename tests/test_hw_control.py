@@ -20,15 +20,28 @@ def test_messages_round_trip() -> None:
 
 
 def test_long_integer_sequences_travel_packed_and_come_back_exact() -> None:
-    prompt = tuple(range(-5, 40_000, 3))  # long: packed as int32
+    prompt = tuple(range(-5, 40_000, 3))  # long: a raw int32 frame
     msg = PrefillRequest(7, 3, 1, len(prompt), prompt, 0)
-    raw = encode(msg)
-    assert b"__i32__" in raw and len(raw) < 6 * len(prompt)
-    assert decode(raw) == msg
+    frames = encode(msg)
+    assert len(frames) == 2 and len(frames[1]) == 4 * len(prompt)
+    assert b"__i32__" in frames[0] and len(frames[0]) < 200
+    assert decode(frames) == msg
+    two = PrefillRequest(7, 3, 1, len(prompt), tuple(range(PACK_MIN)), 0, prompt)
+    assert len(encode(two)) == 3 and decode(encode(two)) == two  # pages and prompt: two frames
     # too large for int32, or not integers: plain JSON, still exact
     for odd in (tuple(range(2**31, 2**31 + PACK_MIN)), tuple(i / 2 for i in range(PACK_MIN))):
         msg = PrefillRequest(7, 3, 1, 1, odd, 0)
-        assert b"__i32__" not in encode(msg) and decode(encode(msg)) == msg
+        assert len(encode(msg)) == 1 and b"__i32__" not in encode(msg)[0]
+        assert decode(encode(msg)) == msg
+
+
+def test_a_malformed_message_is_a_clear_error() -> None:
+    frames = encode(PrefillRequest(7, 3, 1, 1000, tuple(range(1000)), 0))
+    with pytest.raises(TransportError, match="names frame 1 it lacks"):
+        decode(frames[:1])
+    for bad in ([b"not json"], [], [b'{"type": "Nope"}'], [b"[1, 2]"]):
+        with pytest.raises(TransportError, match=r"not a message|unknown message"):
+            decode(bad)
 
 
 def _echo(endpoint: str, q: mp.Queue) -> None:
