@@ -1,8 +1,9 @@
 """The paged KV cache on a device: one tensor per layer, laid out as PageLayout says.
 
-The layers are views of one allocation, `[layers, num_pages + 1, ...]`, so a page of layer l+1
-lies a fixed distance after the same page of layer l: a wire can send one run of pages in every
-layer as one 2D copy (the cuda wire does, for posts that carry several layers).
+The layer tensors are views of one allocation, `[layers, num_pages + 1, ...]`, so a page of
+layer l+1 lies a fixed distance after the same page of layer l: a wire can send one run of
+pages in every layer as one strided (2D) copy (the cuda wire does, for posts that carry several
+layers).
 
 GQA layer tensor: `[num_pages + 1, 2, kv_heads, page_size, head_dim]` (HND) or
 `[num_pages + 1, 2, page_size, kv_heads, head_dim]` (NHD), K then V, as FlashInfer's paged

@@ -76,7 +76,7 @@ class Mapped:
 
 
 Group = tuple[torch.Tensor, torch.Tensor | Mapped, Runs]  # source, destination, runs
-STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as 2D copies
+STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as stacked copies
 
 
 WORD = 16  # bytes per element of a stacked local copy (complex128): the fastest measured
@@ -165,10 +165,9 @@ class CudaTransport(SocketWire):
         it to run the two-GPU copy path on one GPU); by default only other GPUs' regions.
         `peer_kernels` copies groups of several runs into such regions with kernels of this GPU
         instead of one driver copy per run (default: on, unless DISAGG_WIRE_PEER_KERNELS=0, or
-        torch cannot wrap the mapping). `stack` sends
-        the units of one post that repeat the same runs in regions at a uniform distance (the
-        layers of one KV allocation) as 2D copies, a row per unit (default: on, unless
-        DISAGG_WIRE_STACK=0)."""
+        torch cannot wrap the mapping). `stack` sends the units of one post that repeat the
+        same runs in regions at a uniform distance (the layers of one KV allocation) as one
+        copy per run, a row per unit (default: on, unless DISAGG_WIRE_STACK=0)."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
