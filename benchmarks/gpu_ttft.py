@@ -209,6 +209,8 @@ def main() -> None:
         "intervals: 90% bootstrap intervals of the median difference (requests resampled); "
         "within bound: yes / no when the whole interval is on one side of the bound\n"
     )
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISAGG_")}
+    extra += f"settings from the environment: {knobs or 'none'}\n"
     parts = [f"\n{label} (ms, medians)\n\n{df.to_markdown()}\n" for label, df in stages.items()]
     (args.out / "gpu_ttft.md").write_text(md + "\n" + extra + "".join(parts))
     print(md + "\n" + extra + "".join(parts))

@@ -74,15 +74,29 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.parametrize(
-    ("layout", "budget", "handoff"),
-    [("HND", 8, "decode-first"), ("NHD", 1000, "decode-first"), ("HND", 8, "parallel")],
-    ids=["HND-chunked", "NHD-whole-prompt", "HND-chunked-parallel-handoff"],
+    ("layout", "budget", "handoff", "spin"),
+    [
+        ("HND", 8, "decode-first", False),
+        ("NHD", 1000, "decode-first", False),
+        ("HND", 8, "parallel", False),
+        ("HND", 8, "decode-first", True),
+    ],
+    ids=["HND-chunked", "NHD-whole-prompt", "HND-chunked-parallel-handoff", "HND-decoder-spins"],
 )
 def test_disaggregated_equals_colocated(
-    colocated, layout: str, budget: int, handoff: str, tmp_path: Path
+    colocated,
+    layout: str,
+    budget: int,
+    handoff: str,
+    spin: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under parallel handoff the prefill starts before the decoder's pages are known; the
-    pages and metadata reach the decoder all the same."""
+    pages and metadata reach the decoder all the same. So they do when the decoder polls
+    without sleeping while KV is on its way (DISAGG_DECODE_SPIN=1, read by the servers)."""
+    if spin:
+        monkeypatch.setenv("DISAGG_DECODE_SPIN", "1")
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     summary, finished = run(tmp_path, "disagg", data)

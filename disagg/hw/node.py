@@ -534,6 +534,15 @@ class GeneratingServer(Server):
 
 
 # ---- decode ------------------------------------------------------------------------------
+# An idle decoder sleeps in its poll until an immediate or a message wakes it. With
+# DISAGG_DECODE_SPIN=1 it polls without sleeping while a request's KV is on its way, so that the
+# core (and the thread) is awake when the request becomes ready: a test of whether the 0.2-0.4 ms
+# between a request's readiness and its first decode pass, and that pass's extra 0.15-0.4 ms
+# on GPUs (benchmarks/results/gpu_2026-11-29d.md), come from waking an idle process. Off by
+# default until measured; it costs one busy core per decoder while transfers are in flight.
+SPIN_WHILE_INBOUND = os.environ.get("DISAGG_DECODE_SPIN", "0") != "0"
+
+
 class DecodeServer(GeneratingServer):
     role = "decode"
 
@@ -559,8 +568,12 @@ class DecodeServer(GeneratingServer):
         self.wake_fd = self.wire.wake_fd()
 
     def idle_wait_s(self) -> float:
-        # a wire without a wake-up fd: poll it often while transfers are in flight
-        return 200e-6 if self.wake_fd is None and self.messenger.inbound else 0.002
+        if self.messenger.inbound:  # a request's KV is on its way
+            if SPIN_WHILE_INBOUND:
+                return 0.0
+            if self.wake_fd is None:  # a wire without a wake-up fd: poll it often
+                return 200e-6
+        return 0.002
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
         return self.plan.expected_immediates(pages, self.layers, metadata=True)
