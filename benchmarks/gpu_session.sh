@@ -7,7 +7,9 @@
 # decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
 # machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py;
 # TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test); SPACING=S seconds
-# between gpu_ttft.py's requests (default 3).
+# between gpu_ttft.py's requests (default 3); TTFT_PROMPTS=2048,8192 picks its prompt lengths;
+# TTFT_ENVS='A=1;B=0 C=1' runs gpu_ttft.py once more per ';'-separated set of environment
+# settings (e.g. TTFT_ENVS='DISAGG_DECODE_SPIN=1'), each into its own table gpu_ttft_N.md.
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -26,9 +28,18 @@ nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py ${BENCH_ARGS:-} --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
-[ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py --prefill-device "$P" \
-  --decode-device "$D" --spacing-s "${SPACING:-3}" --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"
+TTFT_ARGS=(--prefill-device "$P" --decode-device "$D" --spacing-s "${SPACING:-3}")
+[ -z "${TTFT_PROMPTS:-}" ] || TTFT_ARGS+=(--prompts "$TTFT_PROMPTS")
+[ -n "${SKIP_TTFT:-}" ] || timeout 300 python3 benchmarks/gpu_ttft.py "${TTFT_ARGS[@]}" \
+  --out "$RUNS/ttft" 2>&1 | tail -60 | tee -a "$LOG"
 cp "$RUNS"/ttft/gpu_ttft.md "$OUT"/ 2>/dev/null
+N=0; IFS=';' read -ra SETS <<<"${TTFT_ENVS:-}"
+for SET in "${SETS[@]}"; do
+  N=$((N + 1)); echo "gpu_ttft.py with $SET" | tee -a "$LOG"
+  env $SET timeout 300 python3 benchmarks/gpu_ttft.py "${TTFT_ARGS[@]}" --out "$RUNS/ttft_$N" \
+    2>&1 | tail -60 | tee -a "$LOG"
+  cp "$RUNS/ttft_$N/gpu_ttft.md" "$OUT/gpu_ttft_$N.md" 2>/dev/null
+done
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
