@@ -74,31 +74,42 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.parametrize(
-    ("layout", "budget", "handoff", "spin"),
+    ("layout", "budget", "handoff", "knobs"),
     [
-        ("HND", 8, "decode-first", False),
-        ("NHD", 1000, "decode-first", False),
-        ("HND", 8, "parallel", False),
-        ("HND", 8, "decode-first", True),
+        ("HND", 8, "decode-first", ""),
+        ("NHD", 1000, "decode-first", ""),
+        ("HND", 8, "parallel", ""),
+        ("HND", 8, "decode-first", "DISAGG_DECODE_SPIN DISAGG_META_IN_STREAM"),
+        ("HND", 8, "parallel", "DISAGG_META_IN_STREAM whole"),
     ],
-    ids=["HND-chunked", "NHD-whole-prompt", "HND-chunked-parallel-handoff", "HND-decoder-spins"],
+    ids=[
+        "HND-chunked",
+        "NHD-whole-prompt",
+        "HND-chunked-parallel-handoff",
+        "decoder-spins-posts-in-stream",
+        "parallel-whole-request-posts-in-stream",
+    ],
 )
 def test_disaggregated_equals_colocated(
     colocated,
     layout: str,
     budget: int,
     handoff: str,
-    spin: bool,
+    knobs: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under parallel handoff the prefill starts before the decoder's pages are known; the
-    pages and metadata reach the decoder all the same. So they do when the decoder polls
-    without sleeping while KV is on its way (DISAGG_DECODE_SPIN=1, read by the servers)."""
-    if spin:
-        monkeypatch.setenv("DISAGG_DECODE_SPIN", "1")
+    pages and metadata reach the decoder all the same. So they do with the latency options
+    set (read by the servers from the environment): the decoder polling without sleeping while
+    KV is on its way, and a pass's last posts made before the host waits for its end."""
+    for knob in knobs.split():
+        if knob.startswith("DISAGG_"):
+            monkeypatch.setenv(knob, "1")
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
+    if "whole" in knobs.split():
+        data["transfer"]["policy"] = "whole"
     summary, finished = run(tmp_path, "disagg", data)
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
@@ -244,6 +255,19 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
 
 @CUDA
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["layerwise", "whole"])
+def test_gpu_posts_ordered_in_stream_carry_the_same_pages_and_metadata(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DISAGG_META_IN_STREAM=1 (and the decoder spinning): the pass's last posts wait for its
+    end on the wire's stream, not on the host; pages and metadata arrive the same."""
+    monkeypatch.setenv("DISAGG_META_IN_STREAM", "1")
+    monkeypatch.setenv("DISAGG_DECODE_SPIN", "1")
+    gpu_equals_colocated("llama-3.1-8b", "HND", "decode-first", "cuda:0", tmp_path, policy)
+
+
+@CUDA
+@pytest.mark.gpu
 @TWO_GPUS
 @pytest.mark.parametrize(
     ("model", "layout", "handoff"),
@@ -262,11 +286,17 @@ def test_gpu_two_devices_disaggregated_equals_colocated(
 
 
 def gpu_equals_colocated(
-    model: str, layout: str, handoff: str, decode_device: str, tmp_path: Path
+    model: str,
+    layout: str,
+    handoff: str,
+    decode_device: str,
+    tmp_path: Path,
+    policy: str = "layerwise",
 ) -> None:
     out = {}
     for mode, budget in (("colocated", 4096), ("disagg", 48)):
         data = experiment(model, mode, layout, budget, handoff)
+        data["transfer"]["policy"] = policy
         data["model"]["layers"] = 2
         data["kv"]["page_size"] = 16
         data["workload"]["prompt_tokens"] = {"dist": "uniform", "low": 40, "high": 300}

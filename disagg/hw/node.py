@@ -339,6 +339,26 @@ def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
 
 
 # ---- prefill -----------------------------------------------------------------------------
+# When a prefill pass ends, the server waits for the GPU (a host sync), then posts the metadata
+# (and, under whole-request transfer, the pages). With DISAGG_META_IN_STREAM=1 (GPU only) it
+# posts them as soon as the last layer is seen, with the cuda wire's copy stream waiting for an
+# event at the end of the pass instead of the host: the sync's wake-up and the host work after
+# it leave the path to the decoder's readiness. Other wires wait for the event on the host (on
+# the CPU the pass is over already: the option only reorders the host's work). Off by default
+# until measured.
+META_IN_STREAM = os.environ.get("DISAGG_META_IN_STREAM", "0") != "0"
+
+
+class _PassDone:
+    """The end of a pass on the CPU, which is over when the runner returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class PrefillServer(Server):
     role = "prefill"
 
@@ -357,6 +377,7 @@ class PrefillServer(Server):
         self.free_rows = collections.deque(range(META_SLOTS))
         self.posts: dict[int, int] = {}  # wr_id -> req_id
         self._wr = 0
+        self.after: torch.cuda.Event | _PassDone | None = None  # posts wait for it
         self.layer_q: queue.Queue[int] = queue.Queue()
         # a layer takes ~1 ms or more: polling faster only steals the GIL from the launches
         self.watcher = LayerWatcher(self.runner.counter, self.layer_q.put, 250e-6).start()
@@ -442,6 +463,12 @@ class PrefillServer(Server):
         t[3] = min(t[3], self.now())
         t[1] += sum(total_bytes(u.writes) for u in units)
         t[2] += sum(len(u.writes) for u in units)
+        if self.after is not None:  # bytes the pass is still writing: order the copies after
+            stream = getattr(self.wire, "stream", None)  # the cuda wire's copy stream
+            if stream is not None:
+                stream.wait_event(self.after)
+            else:
+                self.after.synchronize()
         self.wire.post(peer, units, self._wr)
 
     def transfer_row(self, req_id: int) -> list[Any]:
@@ -477,13 +504,27 @@ class PrefillServer(Server):
         for i, c in enumerate(batch.chunks):
             if c.last:  # hidden state of the token before the last prompt token (stream order)
                 self.meta[self.meta_row(c.req.id)] = out.hidden[i].float()
+        end: torch.cuda.Event | _PassDone | None = None
+        if META_IN_STREAM:
+            end = torch.cuda.Event() if self.model.device.type == "cuda" else _PassDone()
+            end.record()  # after the metadata rows: the end of the pass
         self.follow_layers(out.layers_before)
-        self.sync()
-        for r in self.scheduler.complete(batch).prefilled:
+        if end is None:
+            self.sync()
+        prefilled = self.scheduler.complete(batch).prefilled
+        if end is not None:  # the pass's last posts wait for it on the wire, not here
+            self.after = end
+            try:
+                self.execute(self.messenger.on_batch_done())
+            finally:
+                self.after = None
+            self.sync()
+        for r in prefilled:
             row = self.transfer_row(r.id)
             row[4], row[5] = r.prefill_start_s, self.now()
             del self.requests[r.id]
-        self.execute(self.messenger.on_batch_done())
+        if end is None:
+            self.execute(self.messenger.on_batch_done())
         self.record("prefill", start, batch)
         return True
 
