@@ -39,9 +39,15 @@ def test_a_malformed_message_is_a_clear_error() -> None:
     frames = encode(PrefillRequest(7, 3, 1, 1000, tuple(range(1000)), 0))
     with pytest.raises(TransportError, match="names frame 1 it lacks"):
         decode(frames[:1])
-    for bad in ([b"not json"], [], [b'{"type": "Nope"}'], [b"[1, 2]"]):
+    for bad in ([b"not json"], [], [b'{"type": "Nope"}'], [b"[1, 2]"], [b'{"type": [1]}']):
         with pytest.raises(TransportError, match=r"not a message|unknown message"):
             decode(bad)
+    with pytest.raises(TransportError, match="not whole int32 values"):
+        decode([frames[0], frames[1][:-1]])
+    with pytest.raises(TransportError, match="names frame True"):
+        decode([frames[0].replace(b'{"__i32__": 1}', b'{"__i32__": true}'), frames[1]])
+    with pytest.raises(TransportError, match="a malformed PrefillRequest"):
+        decode([b'{"type": "PrefillRequest", "req_id": 1}'])
 
 
 def _echo(endpoint: str, q: mp.Queue) -> None:

@@ -96,9 +96,9 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The stacking planner on CPU tensors: the layers of one allocation stack; a layer out of
-    order, other runs, rows that would overlap, bytes not in 16-byte words, or (mapped peer) a
-    pitch over the device's limit end the stack; a local peer's scattered runs do not stack, a
-    mapped peer's do."""
+    order, other runs, rows that would overlap (within a run or across runs), bytes not in
+    16-byte words, or (mapped peer) another allocation or a pitch over the device's limit end
+    the stack; a local peer's scattered runs do not stack, a mapped peer's do."""
     wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
     wire.device = torch.device("cuda", 0)
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
@@ -114,10 +114,17 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     wide = WriteArray("s", "d", [0], [0], [4096 + 16])  # wider than the regions' distance
     overlapping = list(torch.zeros(7 * 4096, dtype=torch.uint8).as_strided((6, 8192), (4096, 1)))
     assert wire._stackable(_stack_plan(overlapping, list(dst), wide), 0) == 1
+    # two runs whose rows of consecutive units would overlap (destination windows 992 bytes
+    # apart, the runs 1024 bytes wide together): stacked, the units' writes would reorder
+    windows = list(torch.zeros(4096, dtype=torch.uint8).as_strided((3, 1024), (992, 1)))
+    crossing = WriteArray("s", "d", [0, 1024], [0, 976], [32, 48])
+    assert wire._stackable(_stack_plan(list(src[:3]), windows, crossing), 0) == 1
     odd = WriteArray("s", "d", [512], [1024], [2040])
     assert wire._stackable(_stack_plan(list(src), list(dst), odd), 0) == 1
     mapped: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel()) for t in dst]
     assert wire._stackable(_stack_plan(list(src), mapped, odd), 0) == 6  # driver: any bytes
+    other = [Mapped(t.data_ptr(), t.numel(), base=i // 3) for i, t in enumerate(dst)]
+    assert wire._stackable(_stack_plan(list(src), other, one), 0) == 3  # two allocations
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 4096)
     assert wire._stackable(_stack_plan(list(src), mapped, one), 0) == 1  # dst pitch 8192
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)

@@ -71,8 +71,10 @@ def _pack(value: Any, frames: list[bytes]) -> Any:
 def _unpack(value: Any, frames: list[bytes]) -> Any:
     if isinstance(value, dict) and _PACKED in value:
         index = value[_PACKED]
-        if not isinstance(index, int) or not 0 < index < len(frames):
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 < index < len(frames):
             raise TransportError(f"control plane: a message names frame {index!r} it lacks")
+        if len(frames[index]) % 4:
+            raise TransportError(f"control plane: frame {index} is not whole int32 values")
         out = array.array("i")
         out.frombytes(frames[index])
         return tuple(out)
@@ -95,13 +97,17 @@ def decode(frames: list[bytes]) -> Any:
         data = json.loads(frames[0])
     except (ValueError, IndexError) as e:
         raise TransportError(f"control plane: not a message: {frames[:1]!r:.80}") from e
-    cls = _TYPES.get(data.pop("type", None)) if isinstance(data, dict) else None
+    name = data.pop("type", None) if isinstance(data, dict) else None
+    cls = _TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise TransportError(f"control plane: unknown message {frames[0][:80]!r}")
     for f in dataclasses.fields(cls):
         if f.name in data:
             data[f.name] = _unpack(data[f.name], frames)
-    return cls(**data)
+    try:
+        return cls(**data)
+    except TypeError as e:  # missing or unexpected fields
+        raise TransportError(f"control plane: a malformed {name}: {e}") from e
 
 
 class Control:

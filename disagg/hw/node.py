@@ -518,7 +518,7 @@ class PrefillServer(Server):
                 self.execute(self.messenger.on_batch_done())
             finally:
                 self.after = None
-            self.sync()
+            end.synchronize()  # the pass, not the copies just posted (a device sync would wait)
         for r in prefilled:
             row = self.transfer_row(r.id)
             row[4], row[5] = r.prefill_start_s, self.now()

@@ -70,6 +70,7 @@ class Mapped:
     ptr: int
     nbytes: int
     view: torch.Tensor | None = field(default=None, compare=False)
+    base: int = 0  # the mapped allocation's address: one 2D copy stays within one allocation
 
     def numel(self) -> int:
         return self.nbytes
@@ -91,6 +92,10 @@ def _same_storage(a: torch.Tensor | Mapped, b: torch.Tensor | Mapped) -> bool:
     if isinstance(a, Mapped) or isinstance(b, Mapped):
         return False
     return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _same_base(a: torch.Tensor | Mapped, b: torch.Tensor | Mapped) -> bool:
+    return isinstance(a, Mapped) and isinstance(b, Mapped) and a.base == b.base
 
 
 def _unaligned(src: torch.Tensor, dst: torch.Tensor | Mapped, *offsets: np.ndarray) -> bool:
@@ -242,7 +247,7 @@ class CudaTransport(SocketWire):
             assert self.device is not None
             with contextlib.suppress(TransportError):  # a torch that cannot wrap it: by address
                 view = tensor_at(ptr, d.nbytes, self.device)
-        return Mapped(ptr, d.nbytes, view)
+        return Mapped(ptr, d.nbytes, view, self._opened[handle])
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -362,14 +367,16 @@ class CudaTransport(SocketWire):
         k, pitches = 1, (0, 0)
         while i + k < len(plan) and len(plan[i + k][0]) == 1:
             src, dst, (s, d, n) = plan[i + k][0][0]
-            if isinstance(dst, Mapped) != mapped:
+            if isinstance(dst, Mapped) != mapped or not _same_storage(src, src0):
+                break  # a strided view (or 2D copy) spans one allocation
+            if not (_same_base(dst, dst0) if mapped else _same_storage(dst, dst0)):
                 break
-            if not (mapped or (_same_storage(src, src0) and _same_storage(dst, dst0))):
-                break  # a strided view spans one storage
             step = (src.data_ptr() - src0.data_ptr(), _address(dst) - _address(dst0))
             if k == 1:
                 if min(step) < int(n0.max()) or max(step) > limit or step[0] % WORD:
-                    break  # rows must not overlap (pitch >= width) and fit the device's limit
+                    break  # pitch >= width, within the device's limit
+                if step[1] < int((d0 + n0).max() - d0.min()):
+                    break  # one unit's rows would overwrite another's: keep the units' order
                 if step[1] % WORD and not mapped:
                     break
                 pitches = step
