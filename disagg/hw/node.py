@@ -340,8 +340,8 @@ def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
 
 # ---- prefill -----------------------------------------------------------------------------
 # When a prefill pass ends, the server waits for the GPU (a host sync), then posts the metadata
-# (and, under whole-request transfer, the pages). With DISAGG_META_IN_STREAM=1 (GPU only) it
-# posts them as soon as the last layer is seen, with the cuda wire's copy stream waiting for an
+# (and, under whole-request transfer, the pages). With DISAGG_META_IN_STREAM=1 it posts them
+# as soon as the last layer is seen, with the cuda wire's copy stream waiting for an
 # event at the end of the pass instead of the host: the sync's wake-up and the host work after
 # it leave the path to the decoder's readiness. Other wires wait for the event on the host (on
 # the CPU the pass is over already: the option only reorders the host's work). Off by default
@@ -509,22 +509,22 @@ class PrefillServer(Server):
             end = torch.cuda.Event() if self.model.device.type == "cuda" else _PassDone()
             end.record()  # after the metadata rows: the end of the pass
         self.follow_layers(out.layers_before)
+        prefilled = self.scheduler.complete(batch).prefilled
         if end is None:
             self.sync()
-        prefilled = self.scheduler.complete(batch).prefilled
-        if end is not None:  # the pass's last posts wait for it on the wire, not here
-            self.after = end
-            try:
-                self.execute(self.messenger.on_batch_done())
-            finally:
-                self.after = None
+            end_s = self.now()
+        self.after = end  # with an end event, the pass's last posts wait for it on the wire
+        try:
+            self.execute(self.messenger.on_batch_done())
+        finally:
+            self.after = None
+        if end is not None:
             end.synchronize()  # the pass, not the copies just posted (a device sync would wait)
+            end_s = self.now()
         for r in prefilled:
             row = self.transfer_row(r.id)
-            row[4], row[5] = r.prefill_start_s, self.now()
+            row[4], row[5] = r.prefill_start_s, end_s
             del self.requests[r.id]
-        if end is None:
-            self.execute(self.messenger.on_batch_done())
         self.record("prefill", start, batch)
         return True
 
