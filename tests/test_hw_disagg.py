@@ -21,7 +21,7 @@ pytest.importorskip("zmq")
 import torch
 
 from disagg.config import build_experiment
-from disagg.hw.driver import HwOptions, run_hw
+from disagg.hw.driver import HwOptions, HwRun, run_hw
 
 
 def experiment(
@@ -57,30 +57,27 @@ def tiny_file(tmp_path: Path, **workload: int) -> Path:
     return path
 
 
-def run(tmp_path: Path, name: str, data: dict) -> tuple[dict, dict]:
+def run(tmp_path: Path, name: str, data: dict) -> tuple[dict, HwRun]:
     exp = build_experiment(data)
-    summary, state = run_hw(
-        exp, HwOptions(wire="tcp", num_pages=128, return_logits=True), tmp_path / name
-    )
-    return summary, state.finished
+    return run_hw(exp, HwOptions(wire="tcp", num_pages=128, return_logits=True), tmp_path / name)
 
 
 @pytest.fixture(scope="module", params=["tiny-gqa", "tiny-mla"])
 def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     model = request.param
     tmp = tmp_path_factory.mktemp(model)
-    _, finished = run(tmp, "colocated", experiment(model, "colocated", "HND", 1000))
-    return model, finished
+    _, state = run(tmp, "colocated", experiment(model, "colocated", "HND", 1000))
+    return model, state.finished
 
 
 @pytest.mark.parametrize(
-    ("layout", "budget", "handoff", "knobs"),
+    ("layout", "budget", "handoff", "policy", "knobs"),
     [
-        ("HND", 8, "decode-first", ""),
-        ("NHD", 1000, "decode-first", ""),
-        ("HND", 8, "parallel", ""),
-        ("HND", 8, "decode-first", "DISAGG_DECODE_SPIN DISAGG_META_IN_STREAM"),
-        ("HND", 8, "parallel", "DISAGG_META_IN_STREAM whole"),
+        ("HND", 8, "decode-first", "layerwise", ""),
+        ("NHD", 1000, "decode-first", "layerwise", ""),
+        ("HND", 8, "parallel", "layerwise", ""),
+        ("HND", 8, "decode-first", "layerwise", "DISAGG_DECODE_SPIN DISAGG_META_IN_STREAM"),
+        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM"),
     ],
     ids=[
         "HND-chunked",
@@ -95,22 +92,25 @@ def test_disaggregated_equals_colocated(
     layout: str,
     budget: int,
     handoff: str,
+    policy: str,
     knobs: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under parallel handoff the prefill starts before the decoder's pages are known; the
-    pages and metadata reach the decoder all the same. So they do with the latency options
-    set (read by the servers from the environment): the decoder polling without sleeping while
-    KV is on its way, and a pass's last posts made before the host waits for its end."""
+    """Under parallel handoff the driver sends each request to the prefill server too, which
+    starts before the decoder's pages are known; the pages and metadata reach the decoder all
+    the same. So they do with the latency options set (read by the servers from the
+    environment): the decoder polling without sleeping while KV is on its way, and a pass's
+    last posts made before the host waits for its end."""
     for knob in knobs.split():
-        if knob.startswith("DISAGG_"):
-            monkeypatch.setenv(knob, "1")
+        monkeypatch.setenv(knob, "1")
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
-    if "whole" in knobs.split():
-        data["transfer"]["policy"] = "whole"
-    summary, finished = run(tmp_path, "disagg", data)
+    data["transfer"]["policy"] = policy
+    summary, state = run(tmp_path, "disagg", data)
+    finished = state.finished
+    submits = {name: r.submits for name, r in state.records.items()}
+    assert submits == {"prefill0": 5 if handoff == "parallel" else 0, "decode0": 5}
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)

@@ -78,11 +78,14 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     want = torch.zeros_like(dst)
     for a, b in zip(sp, dp, strict=True):
         want[b * row : (b + 1) * row] = src[a * row : (a + 1) * row]
+    splits = []
     for _ in range(2):  # the second pass reuses the cached row split (words)
         dst.zero_()
         wire._copy(src, dst, runs)
         assert torch.equal(dst, want)
+        splits.append({k: v[1] for k, v in wire._rows.items()})
     assert len(wire._rows) == (2 if row % 8 == 0 else 0)  # one split per region
+    assert all(splits[1][k] is rows for k, rows in splits[0].items())  # not split again
 
 
 def _stack_plan(

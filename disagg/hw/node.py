@@ -133,6 +133,7 @@ class Records:
     # request_id, bytes, write ops, first post s, prefill start s, prefill end s
     transfers: tuple[tuple[Any, ...], ...]
     error: str = ""
+    submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ def serve(cfg: NodeConfig) -> None:
 class _Stats:
     steps: Recorder = field(default_factory=Recorder)  # its steps rows only
     transfers: dict[int, list[Any]] = field(default_factory=dict)
+    submits: int = 0
 
 
 class Server:
@@ -231,6 +233,7 @@ class Server:
                 tuple(self.stats.steps.steps),
                 tuple(tuple(v) for v in self.stats.transfers.values()),
                 error,
+                self.stats.submits,
             ),
         )
         if self.wire is not None:
@@ -297,6 +300,7 @@ class Server:
             if isinstance(got[1], Shutdown):
                 self.running = False
                 return
+            self.stats.submits += isinstance(got[1], Submit)
             self.on_message(got[1])
             got = self.control.recv(0.0)
 
