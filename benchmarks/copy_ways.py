@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.hw.device import resolve_device, time_it
+from disagg.hw.device import copy_seconds, resolve_device, time_it
 from disagg.models import LLAMA_31_8B
 
 
@@ -78,9 +78,7 @@ def measure(tokens: int, dev_s: torch.device, dev_d: torch.device) -> dict[str, 
     src = torch.randint(0, 256, (layers, pool), dtype=torch.uint8, device=dev_s)
     dst = torch.zeros((layers, pool), dtype=torch.uint8, device=dev_d)
     nbytes = layers * run
-    a = src.view(-1)[:nbytes]
-    b = dst.view(-1)[:nbytes]
-    one = statistics.median(time_it(lambda: b.copy_(a), dev_s, warmup=5, repeats=20))
+    one = copy_seconds(nbytes, dev_s, dev_d)
     out: dict[str, object] = {"tokens": tokens, "bytes": nbytes}
     out["one copy gbps"] = nbytes / one / 1e9
     at = run // 2  # the run sits mid-row, as a request's pages in a pool

@@ -343,20 +343,6 @@ def _lm_head_alone(model: Transformer, rows: int, dev: torch.device) -> float:
 
 
 # ---- the cuda wire -------------------------------------------------------------------------
-def _await(wire: Any, wr_id: int, timeout_s: float = 20) -> None:
-    """Until batch `wr_id` completes, polling every 10 us (end-to-end timing: finer than
-    peer.wait_completions)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in wire.poll().completions:
-            if c.wr_id == wr_id:
-                if not c.ok:
-                    raise RuntimeError(c.error)
-                return
-        time.sleep(1e-5)  # lets the wire's threads take the GIL
-    raise TimeoutError(f"batch {wr_id} did not complete in {timeout_s} s")
-
-
 def _layouts(pages: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Source and destination page ids: one contiguous run each, or scattered in a 2x pool."""
     return {
@@ -387,6 +373,26 @@ def _copy_2d_seconds(
     return statistics.median(time_it(copy, dev_p, warmup=3, repeats=10))
 
 
+def _references(
+    dev_p: torch.device, dev_d: torch.device, layers: int, pb: int, pages: int
+) -> dict[str, float]:
+    """GB/s of the plain copies of one request's bytes that the wire is compared with: one
+    copy, one per layer, and one driver 2D copy over layers of a 2x pool."""
+    nbytes = pages * pb * layers
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev_p)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dev_d)
+    pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
+    layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
+    del a, b, pieces
+    return {
+        "copy_gbps": nbytes / copy_seconds(nbytes, dev_p, dev_d) / 1e9,
+        "per_layer_copy_gbps": nbytes / layer_s / 1e9,
+        "copy_2d_gbps": nbytes
+        / _copy_2d_seconds(layers, pages * pb, 2 * pages * pb, dev_p, dev_d)
+        / 1e9,
+    }
+
+
 def _transfer_one(
     dev_p: torch.device,
     dev_d: torch.device,
@@ -394,13 +400,14 @@ def _transfer_one(
     page_size: int,
     pb: int,
     pages: int,
+    refs: dict[str, float],
     by_address: bool,
     peer_kernels: bool = False,
     stack: bool = True,
 ) -> dict[str, Any]:
     from disagg.hw.transport.base import Unit, WriteArray
     from disagg.hw.transport.cuda import CudaTransport
-    from disagg.hw.transport.peer import ReceiverProcess
+    from disagg.hw.transport.peer import ReceiverProcess, await_completion
 
     pool, nbytes = 2 * pages, pages * pb * layers
     # both sides hold their layers in one allocation, as KVCache does
@@ -413,13 +420,6 @@ def _transfer_one(
         for i in range(layers):
             wire.register(f"s{i}", src[i])
         wire.connect("decode", recv.info, recv.descs)
-        a = torch.empty(nbytes, dtype=torch.uint8, device=dev_p)
-        b = torch.empty(nbytes, dtype=torch.uint8, device=dev_d)
-        copy_s = statistics.median(time_it(partial(b.copy_, a), dev_p, warmup=3, repeats=10))
-        pieces = list(zip(b.chunk(layers), a.chunk(layers), strict=True))
-        layer_s = statistics.median(time_it(partial(_copies, pieces), dev_p, warmup=3, repeats=10))
-        del a, b, pieces
-        copy_2d_s = _copy_2d_seconds(layers, pages * pb, pool * pb, dev_p, dev_d)
         copies = "peer kernels" if peer_kernels else "driver, per run"
         copies = copies if by_address or dev_p != dev_d else "torch"
         out: dict[str, Any] = {
@@ -427,9 +427,7 @@ def _transfer_one(
             "stack": stack,
             "tokens": pages * page_size,
             "bytes": nbytes,
-            "copy_gbps": nbytes / copy_s / 1e9,
-            "per_layer_copy_gbps": nbytes / layer_s / 1e9,
-            "copy_2d_gbps": nbytes / copy_2d_s / 1e9,
+            **refs,
         }
         torch.cuda.synchronize(dev_p)
         wr, posts = 0, 0
@@ -455,7 +453,7 @@ def _transfer_one(
                 t0 = time.perf_counter()
                 wire.post("decode", units, wr)
                 end.record(wire.stream)
-                _await(wire, wr)
+                await_completion(wire, wr)
                 t1 = time.perf_counter()
                 (dev_s if held else e2e_s).append(
                     start.elapsed_time(end) / 1e3 if held else t1 - t0
@@ -492,10 +490,11 @@ def transfer(
     pb = spec.kv_bytes_per_token_per_layer() * ps
     by_address = bool(os.environ.get("DISAGG_WIRE_BY_ADDRESS"))  # driver copies on one GPU too
     ways = [False, True] if by_address or dev_p != dev_d else [False]  # peer kernels too
+    refs = {n: _references(dev_p, dev_d, spec.layers, pb, n // ps) for n in sizes.transfer_tokens}
     runs = [
-        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, by_address, kernels, stack)
+        _transfer_one(dev_p, dev_d, spec.layers, ps, pb, n // ps, refs[n], by_address, k, stack)
         for stack in (True, False)
-        for kernels in ways
+        for k in ways
         for n in sizes.transfer_tokens
     ]
     return {"page_bytes": pb, "layers": spec.layers, "runs": runs, "target": 0.90}

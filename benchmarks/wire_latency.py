@@ -19,29 +19,26 @@ Writes wire_latency.json and wire_latency.md into --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import pstats
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from disagg.hw.device import resolve_device
 from disagg.hw.transport import make_transport
-from disagg.hw.transport.base import Unit, WriteArray
-from disagg.hw.transport.peer import ReceiverProcess
+from disagg.hw.transport.base import Unit, WriteArray, total_bytes
+from disagg.hw.transport.peer import ReceiverProcess, await_completion, buffers
 from disagg.models import LLAMA_31_8B
 
-
-def _buffers(wire: str, layers: int, size: int, device: str) -> list[Any]:
-    if wire != "cuda":
-        return [bytearray(size) for _ in range(layers)]
-    import torch
-
-    return list(torch.ones((layers, size), dtype=torch.uint8, device=device))
+PAGE_TOKENS = 16
 
 
 def _units(layers: int, page: int, pages: int) -> list[Unit]:
@@ -50,22 +47,36 @@ def _units(layers: int, page: int, pages: int) -> list[Unit]:
     return [Unit(WriteArray(f"s{i}", f"r{i}", off, off, sizes), imm=i) for i in range(layers)]
 
 
-def measure(
-    wire_name: str, src_dev: str, dst_dev: str, tokens: int, repeats: int
-) -> dict[str, Any]:
-    spec = LLAMA_31_8B
-    page = 16 * spec.kv_bytes_per_token_per_layer()
-    pages, layers = tokens // 16, spec.layers
+@contextlib.contextmanager
+def _connected(
+    wire_name: str, layers: int, tokens: int, src_dev: str, dst_dev: str
+) -> Iterator[tuple[Any, ReceiverProcess, list[Unit]]]:
+    """A sender wire connected to a receiver process, both holding `layers` regions in one
+    allocation (as a KV cache does) big enough for twice a `tokens`-token request of
+    Llama-3.1-8B; also that request's units, one per layer."""
+    page = PAGE_TOKENS * LLAMA_31_8B.kv_bytes_per_token_per_layer()
+    pages = tokens // PAGE_TOKENS
     size = 2 * pages * page
     recv = ReceiverProcess(wire_name, [size] * layers, dst_dev, "decode", stacked=True)
     wire = make_transport(wire_name, endpoint="prefill")
-    out: dict[str, Any] = {"wire": wire_name, "tokens": tokens, "bytes": layers * pages * page}
     try:
-        for i, b in enumerate(_buffers(wire_name, layers, size, src_dev)):
+        for i, b in enumerate(buffers(wire_name, [size] * layers, src_dev, stacked=True)):
             wire.register(f"s{i}", b)
         wire.connect("decode", recv.info, recv.descs)
+        yield wire, recv, _units(layers, page, pages)
+    finally:
+        wire.close()
+        recv.close()
+
+
+def measure(
+    wire_name: str, src_dev: str, dst_dev: str, tokens: int, repeats: int
+) -> dict[str, Any]:
+    layers = LLAMA_31_8B.layers
+    with _connected(wire_name, layers, tokens, src_dev, dst_dev) as (wire, recv, whole):
+        nbytes = sum(total_bytes(u.writes) for u in whole)
+        out: dict[str, Any] = {"wire": wire_name, "tokens": tokens, "bytes": nbytes}
         posts = {"one 64-byte unit": [Unit(WriteArray("s0", "r0", [0], [0], [64]), imm=0)]}
-        whole = _units(layers, page, pages)
         posts[f"{tokens}-token request, last layer"] = whole[-1:]
         posts[f"{tokens}-token request, {layers} layers"] = whole
         wr = 0
@@ -79,24 +90,12 @@ def measure(
         want = (repeats + 2) * sum(len(u) for u in posts.values())
         imms, _ = recv.ask("wait", want, False, 10)
         out["immediates_seen"], out["immediates_posted"] = len(imms), want
-    finally:
-        wire.close()
-        recv.close()
     return out
 
 
 def profile_posts(wire_name: str, src_dev: str, dst_dev: str, tokens: int, n: int) -> str:
     """cProfile of `n` one-layer posts (each awaited), the top functions by own time."""
-    spec = LLAMA_31_8B
-    page, pages = 16 * spec.kv_bytes_per_token_per_layer(), tokens // 16
-    size = 2 * pages * page
-    recv = ReceiverProcess(wire_name, [size] * 2, dst_dev, "decode", stacked=True)
-    wire = make_transport(wire_name, endpoint="prefill")
-    try:
-        for i, b in enumerate(_buffers(wire_name, 2, size, src_dev)):
-            wire.register(f"s{i}", b)
-        wire.connect("decode", recv.info, recv.descs)
-        unit = _units(1, page, pages)
+    with _connected(wire_name, 1, tokens, src_dev, dst_dev) as (wire, _, unit):
         for wr in range(10):
             _one(wire, unit, wr)
         prof = cProfile.Profile()
@@ -104,11 +103,7 @@ def profile_posts(wire_name: str, src_dev: str, dst_dev: str, tokens: int, n: in
             prof.enable()
             wire.post("decode", unit, wr)
             prof.disable()
-            while not any(c.wr_id == wr for c in wire.poll().completions):
-                time.sleep(1e-5)
-    finally:
-        wire.close()
-        recv.close()
+            await_completion(wire, wr)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
     return text.getvalue()
@@ -128,8 +123,7 @@ def _one(wire: Any, units: list[Unit], wr: int) -> tuple[float, float, float]:
         while not done.query():
             pass
     t_copied = time.perf_counter()
-    while not any(c.wr_id == wr for c in wire.poll().completions):
-        time.sleep(1e-5)
+    await_completion(wire, wr)
     t_done = time.perf_counter()
     return t_post - t0, t_copied - t0, t_done - t0
 
@@ -144,7 +138,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one-layer posts instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    dev = (lambda d: f"cuda:{d}" if d.isdigit() else d) if args.wire == "cuda" else str
+
+    def dev(name: str) -> str:  # the tcp wire's regions are host memory
+        return str(resolve_device(name)) if args.wire == "cuda" else "cpu"
+
     if args.profile:
         text = profile_posts(
             args.wire, dev(args.src_device), dev(args.dst_device), args.tokens, 200

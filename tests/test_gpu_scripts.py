@@ -18,16 +18,24 @@ pytest.importorskip("zmq")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script(
+    name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run benchmarks/NAME with `args` in a child Python (and extra environment `env`)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def test_gpu_tpot_dry_run_writes_its_table_and_figures(tmp_path: Path) -> None:
     args = ["--prefill-device", "cpu", "--decode-device", "cpu", "--wire", "tcp"]
     args += ["--model", "tiny-gqa", "--loads", "5", "--duration-s", "1.5", "--prompt", "96"]
     args += ["--output", "12", "--chunk", "32", "--out", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_tpot.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _script("gpu_tpot.py", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     table = (tmp_path / "gpu_tpot.md").read_text().splitlines()
     assert len(table) == 4 and "colocated" in table[2] and "disagg" in table[3]
@@ -46,12 +54,7 @@ def test_gpu_tpot_dry_run_writes_its_table_and_figures(tmp_path: Path) -> None:
     assert 0 < chunks.max() <= 32  # colocated prefills in chunks of the token budget
     # --replot redraws the same table from the run directories alone
     (tmp_path / "gpu_tpot.md").unlink()
-    again = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_tpot.py"), *args, "--replot"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    again = _script("gpu_tpot.py", *args, "--replot", timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "gpu_tpot.md").read_text().splitlines() == table
 
@@ -59,13 +62,8 @@ def test_gpu_tpot_dry_run_writes_its_table_and_figures(tmp_path: Path) -> None:
 def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -> None:
     args = ["--prefill-device", "cpu", "--decode-device", "cpu", "--wire", "tcp"]
     args += ["--model", "tiny-gqa", "--prompts", "64,128", "--spacing-s", "0.3"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_ttft.py"), *args, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "DISAGG_LAYERS": "2", "DISAGG_REPEATS": "2"},
-    )
+    env = {"DISAGG_LAYERS": "2", "DISAGG_REPEATS": "2"}
+    done = _script("gpu_ttft.py", *args, "--out", str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     for run in ("colocated", "layerwise", "parallel", "whole"):
         req = pd.read_parquet(tmp_path / run / "requests.parquet")
@@ -75,15 +73,6 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     rows = [r for r in report.splitlines() if r.startswith("|") and r.split("|")[1].strip()]
     assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
-
-
-def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ def slot_bytes(k: int) -> bytes:
     return np.full(4, k, dtype="<u4").tobytes()
 
 
-def _buffers(wire: str, sizes: Sequence[int], device: str, stacked: bool = False) -> list[Any]:
+def buffers(wire: str, sizes: Sequence[int], device: str, stacked: bool = False) -> list[Any]:
+    """Zeroed regions of `sizes` bytes for `wire` (see the module doc)."""
     if wire != "cuda":
         return [bytearray(n) for n in sizes]
     import torch
@@ -78,7 +79,7 @@ def serve_receiver(
 ) -> None:
     """Child-process body: see the module doc for the protocol over `conn`."""
     wire = make_transport(wire_name, endpoint=endpoint)
-    bufs = _buffers(wire_name, sizes, device, stacked)
+    bufs = buffers(wire_name, sizes, device, stacked)
     descs = [wire.register(f"r{i}", b).to_dict() for i, b in enumerate(bufs)]
     conn.send((wire.local_info(), descs))
     while True:
@@ -135,3 +136,17 @@ def wait_completions(wire: Transport, n: int, timeout_s: float = 20) -> list[Com
         done += wire.poll().completions
         time.sleep(1e-4)
     return done
+
+
+def await_completion(wire: Transport, wr_id: int, timeout_s: float = 20) -> None:
+    """Until batch `wr_id` completes, polling every 10 us (fine enough to time a post end to
+    end); RuntimeError if it failed, TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in wire.poll().completions:
+            if c.wr_id == wr_id:
+                if not c.ok:
+                    raise RuntimeError(c.error)
+                return
+        time.sleep(1e-5)  # lets the wire's threads take the GIL
+    raise TimeoutError(f"batch {wr_id} did not complete in {timeout_s} s")
