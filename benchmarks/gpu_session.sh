@@ -9,7 +9,7 @@
 # TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test); SPACING=S seconds
 # between gpu_ttft.py's requests (default 3); TTFT_PROMPTS=2048,8192 picks its prompt lengths;
 # TTFT_ENVS='A=1;B=0 C=1' runs gpu_ttft.py once more per ';'-separated set of environment
-# settings (e.g. TTFT_ENVS='DISAGG_DECODE_SPIN=1'), each into its own table gpu_ttft_N.md.
+# settings (e.g. TTFT_ENVS='DISAGG_SPIN=1'), each into its own table gpu_ttft_N.md.
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.

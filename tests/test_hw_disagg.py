@@ -76,15 +76,15 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         ("HND", 8, "decode-first", "layerwise", ""),
         ("NHD", 1000, "decode-first", "layerwise", ""),
         ("HND", 8, "parallel", "layerwise", ""),
-        ("HND", 8, "decode-first", "layerwise", "DISAGG_DECODE_SPIN DISAGG_META_IN_STREAM"),
-        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM"),
+        ("HND", 8, "decode-first", "layerwise", "DISAGG_SPIN"),
+        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM=0"),
     ],
     ids=[
         "HND-chunked",
         "NHD-whole-prompt",
         "HND-chunked-parallel-handoff",
-        "decoder-spins-posts-in-stream",
-        "parallel-whole-request-posts-in-stream",
+        "servers-spin",
+        "parallel-whole-request-posts-after-host-sync",
     ],
 )
 def test_disaggregated_equals_colocated(
@@ -99,11 +99,12 @@ def test_disaggregated_equals_colocated(
 ) -> None:
     """Under parallel handoff the driver sends each request to the prefill server too, which
     starts before the decoder's pages are known; the pages and metadata reach the decoder all
-    the same. So they do with the latency options set (read by the servers from the
-    environment): the decoder polling without sleeping while KV is on its way, and a pass's
-    last posts made before the host waits for its end."""
+    the same. So they do with the latency options (read by the servers from the environment):
+    servers polling without sleeping, and a pass's last posts made after the host has waited
+    for its end (the default posts them first, ordered on the wire)."""
     for knob in knobs.split():
-        monkeypatch.setenv(knob, "1")
+        name, _, value = knob.partition("=")
+        monkeypatch.setenv(name, value or "1")
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     data["transfer"]["policy"] = policy
@@ -256,13 +257,13 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
 @CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["layerwise", "whole"])
-def test_gpu_posts_ordered_in_stream_carry_the_same_pages_and_metadata(
+def test_gpu_latency_options_off_the_defaults_carry_the_same_pages_and_metadata(
     policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DISAGG_META_IN_STREAM=1 (and the decoder spinning): the pass's last posts wait for its
-    end on the wire's stream, not on the host; pages and metadata arrive the same."""
-    monkeypatch.setenv("DISAGG_META_IN_STREAM", "1")
-    monkeypatch.setenv("DISAGG_DECODE_SPIN", "1")
+    """The other side of each latency option (the defaults run in every other GPU test): the
+    pass's last posts made after the host waits for its end, and the servers spinning."""
+    monkeypatch.setenv("DISAGG_META_IN_STREAM", "0")
+    monkeypatch.setenv("DISAGG_SPIN", "1")
     gpu_equals_colocated("llama-3.1-8b", "HND", "decode-first", "cuda:0", tmp_path, policy)
 
 

@@ -178,6 +178,14 @@ def serve(cfg: NodeConfig) -> None:
 
 
 # ---- common server ---------------------------------------------------------------------------
+# An idle server sleeps in its poll until a control message or a landing wakes it. With
+# DISAGG_SPIN=1 every server polls without sleeping (one busy core each, as a serving loop
+# that never blocks): a test of whether waking an idle process costs the decode-first
+# handoff's extra hop (0.65-0.85 ms over parallel handoff on one H200 at 2k prompts,
+# gpu_2026-11-29f.md). Spinning only while KV is inbound (the decoder) made no difference there.
+SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
+
+
 @dataclass
 class _Stats:
     steps: Recorder = field(default_factory=Recorder)  # its steps rows only
@@ -309,7 +317,7 @@ class Server:
 
     def idle_wait_s(self) -> float:
         """How long an idle loop waits for a control message (they wake it at once)."""
-        return 0.002
+        return 0.0 if SPIN else 0.002
 
     def on_dead(self, peer: str) -> None:
         if peer == "driver":
@@ -343,14 +351,14 @@ def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
 
 
 # ---- prefill -----------------------------------------------------------------------------
-# When a prefill pass ends, the server waits for the GPU (a host sync), then posts the metadata
-# (and, under whole-request transfer, the pages). With DISAGG_META_IN_STREAM=1 it posts them
-# as soon as the last layer is seen, with the cuda wire's copy stream waiting for an
-# event at the end of the pass instead of the host: the sync's wake-up and the host work after
-# it leave the path to the decoder's readiness. Other wires wait for the event on the host (on
-# the CPU the pass is over already: the option only reorders the host's work). Off by default
-# until measured.
-META_IN_STREAM = os.environ.get("DISAGG_META_IN_STREAM", "0") != "0"
+# A prefill pass's last posts (the metadata and, under whole-request transfer, the pages) go
+# out as soon as the last layer is seen, the cuda wire's copy stream waiting on an event at the
+# end of the pass instead of the host: the host sync's wake-up and the host work after it stay
+# off the path to the decoder's readiness (on one H200, 2k prompts, layer-wise: end to ready
+# 0.16 ms instead of 0.66; whole-request: 0.52 instead of 1.99; gpu_2026-11-29f.md). Other
+# wires wait for the event on the host (on the CPU the pass is over already: only the host's
+# order of work changes). DISAGG_META_IN_STREAM=0 waits on the host before posting.
+META_IN_STREAM = os.environ.get("DISAGG_META_IN_STREAM", "1") != "0"
 
 
 class _PassDone:
@@ -579,15 +587,6 @@ class GeneratingServer(Server):
 
 
 # ---- decode ------------------------------------------------------------------------------
-# An idle decoder sleeps in its poll until an immediate or a message wakes it. With
-# DISAGG_DECODE_SPIN=1 it polls without sleeping while a request's KV is on its way, so that the
-# core (and the thread) is awake when the request becomes ready: a test of whether the 0.2-0.4 ms
-# between a request's readiness and its first decode pass, and that pass's extra 0.15-0.4 ms
-# on GPUs (benchmarks/results/gpu_2026-11-29d.md), come from waking an idle process. Off by
-# default until measured; it costs one busy core per decoder while transfers are in flight.
-SPIN_WHILE_INBOUND = os.environ.get("DISAGG_DECODE_SPIN", "0") != "0"
-
-
 class DecodeServer(GeneratingServer):
     role = "decode"
 
@@ -613,12 +612,9 @@ class DecodeServer(GeneratingServer):
         self.wake_fd = self.wire.wake_fd()
 
     def idle_wait_s(self) -> float:
-        if self.messenger.inbound:  # a request's KV is on its way
-            if SPIN_WHILE_INBOUND:
-                return 0.0
-            if self.wake_fd is None:  # a wire without a wake-up fd: poll it often
-                return 200e-6
-        return 0.002
+        if self.messenger.inbound and self.wake_fd is None and not SPIN:
+            return 200e-6  # KV on its way over a wire without a wake-up fd: poll it often
+        return super().idle_wait_s()
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
         return self.plan.expected_immediates(pages, self.layers, metadata=True)
