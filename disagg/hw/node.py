@@ -180,9 +180,8 @@ def serve(cfg: NodeConfig) -> None:
 # ---- common server ---------------------------------------------------------------------------
 # An idle server sleeps in its poll until a control message or a landing wakes it. With
 # DISAGG_SPIN=1 every server polls without sleeping (one busy core each, as a serving loop
-# that never blocks): a test of whether waking an idle process costs the decode-first
-# handoff's extra hop (0.65-0.85 ms over parallel handoff on one H200 at 2k prompts,
-# gpu_2026-11-29f.md). Spinning only while KV is inbound (the decoder) made no difference there.
+# that never blocks). On one H200 at 2k prompts it cut decode-first's queue from 1.73 to
+# 1.43 ms, and TTFT by less than the spread between runs (gpu_2026-11-29f.md): opt-in.
 SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
 
 
