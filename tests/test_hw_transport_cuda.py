@@ -15,6 +15,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import torch
 
 from disagg.errors import TransportError
+from disagg.hw.transport import cuda as cuda_wire
 from disagg.hw.transport import cudadriver, make_transport
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
 from disagg.hw.transport.cuda import (
@@ -65,7 +66,7 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     """The copy planner on CPU tensors (it is device-agnostic): scattered rows, some merged into
     multi-row runs, land exactly where asked, through word views or byte slices."""
     wire = object.__new__(CudaTransport)  # only the copy planner: no GPU, no sockets
-    wire._rows = {}
+    wire._rows, wire.gather = {}, False
     n = 128  # rows per region; writes use even rows, plus one odd row that extends a run
     gen = torch.Generator().manual_seed(row)
     src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
@@ -86,6 +87,46 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
         splits.append({k: v[1] for k, v in wire._rows.items()})
     assert len(wire._rows) == (2 if row % 8 == 0 else 0)  # one split per region
     assert all(splits[1][k] is rows for k, rows in splits[0].items())  # not split again
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one-row-runs", "multi-row-runs"])
+def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
+    single: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From GATHER_MIN_RUNS runs of whole rows a group is gathered and scattered by row number
+    (CPU tensors here; the same torch calls run on the wire's stream on a GPU). Runs of
+    several rows expand into their rows; the bytes land exactly as a plain copy puts them."""
+    wire = object.__new__(CudaTransport)
+    wire._rows, wire.gather = {}, True
+    row, n = 64, 512
+    gen = torch.Generator().manual_seed(int(single))
+    src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(n * row, dtype=torch.uint8)
+    # runs of 1 row, or 1-3 rows, at scattered row starts that do not overlap on either side
+    sizes = [1] * 100 if single else torch.randint(1, 4, (100,), generator=gen).tolist()
+    starts = []
+    for side in range(2):
+        slots = (4 * torch.randperm(n // 4, generator=gen)[:100]).tolist()
+        starts.append([p + side for p in slots])  # 4-row slots hold any run of 1-3 rows
+    wa = WriteArray(
+        "s",
+        "d",
+        [p * row for p in starts[0]],
+        [p * row for p in starts[1]],
+        [k * row for k in sizes],
+    )
+    runs = coalesce(wa)
+    assert len(runs[2]) >= cuda_wire.GATHER_MIN_RUNS
+    want = torch.zeros_like(dst)
+    for a, b, k in zip(*starts, sizes, strict=True):
+        want[b * row : (b + k) * row] = src[a * row : (a + k) * row]
+    wire._copy(src, dst, runs)
+    assert torch.equal(dst, want)
+    assert not wire._rows  # no batched copy (it would have split the regions into rows)
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]) + 1)  # below: batched copy
+    dst.zero_()
+    wire._copy(src, dst, runs)
+    assert torch.equal(dst, want) and len(wire._rows) == 2
 
 
 def _stack_plan(

@@ -81,6 +81,7 @@ STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as st
 
 
 WORD = 16  # bytes per element of a stacked local copy (complex128): the fastest measured
+GATHER_MIN_RUNS = 64  # runs of whole rows from which a group goes as one gather and one scatter
 
 
 def _address(t: torch.Tensor | Mapped) -> int:
@@ -109,6 +110,27 @@ def _rows(t: torch.Tensor, first: int, pitch: int, width: int, rows: int) -> tor
     region `t`, as 16-byte words: a view of t's storage (which must hold every row)."""
     view = t.as_strided((rows, width), (pitch, 1), t.storage_offset() + first)
     return view.view(torch.complex128)
+
+
+def _row_numbers(offsets: np.ndarray, sizes: np.ndarray, row: int) -> np.ndarray:
+    """The rows of `row` bytes that runs at `offsets` of `sizes` bytes (whole rows) cover."""
+    per, first = sizes // row, offsets // row
+    if (per == 1).all():
+        return first
+    return np.repeat(first - (np.cumsum(per) - per), per) + np.arange(int(per.sum()))
+
+
+def gather_copy(src: torch.Tensor, dst: torch.Tensor, runs: Runs, row: int) -> None:
+    """Copy runs of whole `row`-byte rows (offsets too) between flat uint8 regions as two
+    kernels on the current stream: gather the source rows into a temporary, scatter them into
+    place. Thousands of runs in one batched copy go slowly; this moves every byte twice."""
+    s, d, n = runs
+    index = torch.from_numpy(np.stack([_row_numbers(s, n, row), _row_numbers(d, n, row)]))
+    if src.device.type == "cuda":  # pinned, so that the copy does not wait for the stream
+        index = index.pin_memory().to(src.device, non_blocking=True)
+    width = row // 8
+    rows = src.view(torch.int64).view(-1, width).index_select(0, index[0])
+    dst.view(torch.int64).view(-1, width).index_copy_(0, index[1], rows)
 
 
 def as_arrays(writes: Sequence[Write]) -> list[WriteArray]:
@@ -165,6 +187,7 @@ class CudaTransport(SocketWire):
         by_address: bool = False,
         peer_kernels: bool | None = None,
         stack: bool | None = None,
+        gather: bool | None = None,
     ) -> None:
         """`by_address` maps every peer region through the driver, also on this GPU (tests use
         it to run the two-GPU copy path on one GPU); by default only other GPUs' regions.
@@ -172,7 +195,10 @@ class CudaTransport(SocketWire):
         instead of one driver copy per run (default: on, unless DISAGG_WIRE_PEER_KERNELS=0, or
         torch cannot wrap the mapping). `stack` sends the units of one post that repeat the
         same runs in regions at a uniform distance (the layers of one KV allocation) as one
-        copy per run, a row per unit (default: on, unless DISAGG_WIRE_STACK=0)."""
+        copy per run, a row per unit (default: on, unless DISAGG_WIRE_STACK=0). `gather` sends a
+        group of at least GATHER_MIN_RUNS runs of whole rows (scattered pages) as one gather
+        and one scatter kernel instead of one batched copy (default: on, unless
+        DISAGG_WIRE_GATHER=0)."""
         if not torch.cuda.is_available():
             raise TransportError("the cuda wire needs a CUDA GPU, and torch sees none")
         super().__init__(endpoint, host, port, {})
@@ -183,6 +209,9 @@ class CudaTransport(SocketWire):
         if stack is None:
             stack = os.environ.get("DISAGG_WIRE_STACK", "1") != "0"
         self.stack = stack
+        if gather is None:
+            gather = os.environ.get("DISAGG_WIRE_GATHER", "1") != "0"
+        self.gather = gather
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._local: dict[str, torch.Tensor] = {}
@@ -314,6 +343,9 @@ class CudaTransport(SocketWire):
                     for t, o in ((src, s), (dst, d))
                 )
             )
+            if words and self.gather and len(n) >= GATHER_MIN_RUNS:
+                gather_copy(src, dst, runs, row)
+                return
             dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
