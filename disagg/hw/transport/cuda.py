@@ -81,7 +81,10 @@ STACK_MAX_RUNS = 16  # runs per layer up to which a local peer's layers go as st
 
 
 WORD = 16  # bytes per element of a stacked local copy (complex128): the fastest measured
-GATHER_MIN_RUNS = 64  # runs of whole rows from which a group goes as one gather and one scatter
+# runs of whole rows from which a group goes as one gather and one scatter: on one H200, 256
+# scattered 64 KiB pages moved at 670 GB/s as a batched copy and 541 as a gather, 2048 at 42-52
+# against 843-845 (benchmarks/results/gpu_2026-11-29f.md)
+GATHER_MIN_RUNS = 512
 
 
 def _address(t: torch.Tensor | Mapped) -> int:
