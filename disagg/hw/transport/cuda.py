@@ -3,7 +3,9 @@
 A registered tensor's descriptor carries its CUDA IPC handle (torch's own sharing format,
 pickled and base64-encoded). The sender maps the peer's regions in `connect`, and `post` issues
 device copies on the wire's own stream at once: writes that continue each other are coalesced
-into one copy, and the remaining runs of a unit go out as one batched copy (`_foreach_copy_`).
+into one copy, and the remaining runs of a unit go out as one batched copy (`_foreach_copy_`),
+or, from GATHER_MIN_RUNS runs of whole rows (scattered pages), as one gather into a temporary
+and one scatter into place (`gather`: 843 against 42-52 GB/s for 2048 pages on an H200).
 Writes given as a WriteArray are validated and coalesced with numpy, not one by one.
 
 After each unit with an immediate the sender records an event; a worker thread waits for it
