@@ -66,7 +66,7 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     """The copy planner on CPU tensors (it is device-agnostic): scattered rows, some merged into
     multi-row runs, land exactly where asked, through word views or byte slices."""
     wire = object.__new__(CudaTransport)  # only the copy planner: no GPU, no sockets
-    wire._rows, wire.gather = {}, False
+    wire._rows, wire._indexes, wire.gather = {}, {}, False
     n = 128  # rows per region; writes use even rows, plus one odd row that extends a run
     gen = torch.Generator().manual_seed(row)
     src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
@@ -93,12 +93,13 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
 def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
     single: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From GATHER_MIN_RUNS runs of whole rows a group is gathered and scattered by row number
-    (CPU tensors here, the threshold lowered to this group's runs; the same torch calls run on
-    the wire's stream on a GPU). Runs of several rows expand into their rows; the bytes land
-    exactly as a plain copy puts them, and one run fewer than the threshold goes batched."""
+    """From GATHER_MIN_RUNS runs of whole rows (of at least GATHER_MIN_ROW bytes) a group is
+    gathered and scattered by row number (CPU tensors here, both thresholds lowered to this
+    group; the same torch calls run on the wire's stream on a GPU). Runs of several rows expand
+    into their rows; the bytes land exactly as a plain copy puts them; the same runs again in
+    one post reuse their row numbers; one run fewer, or smaller rows, go batched."""
     wire = object.__new__(CudaTransport)
-    wire._rows, wire.gather = {}, True
+    wire._rows, wire._indexes, wire.gather = {}, {}, True
     row, n = 64, 512
     gen = torch.Generator().manual_seed(int(single))
     src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
@@ -117,17 +118,26 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
         [k * row for k in sizes],
     )
     runs = coalesce(wa)
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]))  # at the threshold: gather
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]))  # at the thresholds: gather
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", row)
     want = torch.zeros_like(dst)
     for a, b, k in zip(*starts, sizes, strict=True):
         want[b * row : (b + k) * row] = src[a * row : (a + k) * row]
     wire._copy(src, dst, runs)
     assert torch.equal(dst, want)
     assert not wire._rows  # no batched copy (it would have split the regions into rows)
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]) + 1)  # below: batched copy
+    (index,) = [ix for _, ix in wire._indexes.values()]
+    assert index.shape == (2, sum(sizes))
     dst.zero_()
-    wire._copy(src, dst, runs)
-    assert torch.equal(dst, want) and len(wire._rows) == 2
+    wire._copy(src, dst, runs)  # the next layer of the same post
+    assert torch.equal(dst, want) and [ix for _, ix in wire._indexes.values()] == [index]
+    for more_runs, more_row in ((1, 0), (0, 8)):  # one run fewer, or smaller rows: batched
+        monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]) + more_runs)
+        monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", row + more_row)
+        wire._rows.clear()
+        dst.zero_()
+        wire._copy(src, dst, runs)
+        assert torch.equal(dst, want) and len(wire._rows) == 2
 
 
 def _stack_plan(
@@ -225,6 +235,50 @@ def test_tensor_at_wraps_memory_it_does_not_own() -> None:
     assert owner[16:20].tolist() == [200] * 4 and owner[15] == 15 and owner[20] == 20
     del view
     assert owner[16] == 200  # the owner's memory outlives the view
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("by_address", "kernels"), [(False, False), (True, True)], ids=["torch-mapped", "kernels"]
+)
+def test_cuda_scattered_pages_go_as_a_gather_that_lands_in_place(
+    by_address: bool, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many scattered pages (here 1 KiB rows, the thresholds lowered to them) go as a gather
+    and a scatter on the wire's stream, for two units of one post (the second reuses the row
+    numbers): every byte lands where asked, and each unit's immediate arrives."""
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", 64)
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", 1024)
+    row, pages = 1024, SCATTER // 1024
+    r = ReceiverProcess("cuda", (SCATTER, SCATTER), _peer_device(), "decode0")
+    try:
+        src = torch.randint(0, 256, (2, SCATTER), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        wire = make_transport(
+            "cuda", endpoint="prefill0", by_address=by_address, peer_kernels=kernels
+        )
+        wire.register("a", src[0])
+        wire.register("b", src[1])
+        wire.connect("decode0", r.info, r.descs)
+        rng = np.random.default_rng(0)
+        sp, dp = (rng.permutation(pages)[:300] * row for _ in range(2))
+        units = [
+            Unit(WriteArray(name, f"r{i}", sp, dp, np.full(300, row)), imm=i)
+            for i, name in enumerate("ab")
+        ]
+        wire.post("decode0", units, wr_id=0)
+        imms, _ = r.ask("wait", 2, False, 60)
+        assert imms == [0, 1]
+        assert wait_completions(wire, 1) == [Completion(0, True)]
+        assert len(wire._indexes) == 1  # type: ignore[attr-defined]  # one index, both units
+        for i in range(2):
+            want = np.zeros((pages, row), dtype=np.uint8)
+            want[dp // row] = src[i].view(pages, row).cpu().numpy()[sp // row]
+            assert r.ask("read", i) == want.tobytes()
+        wire.close()
+    finally:
+        r.close()
 
 
 @gpu

@@ -87,6 +87,7 @@ WORD = 16  # bytes per element of a stacked local copy (complex128): the fastest
 # scattered 64 KiB pages moved at 670 GB/s as a batched copy and 541 as a gather, 2048 at 42-52
 # against 843-845 (benchmarks/results/gpu_2026-11-29f.md)
 GATHER_MIN_RUNS = 512
+GATHER_MIN_ROW = 1024  # bytes: smaller rows (a run much shorter than the others) stay batched
 
 
 def _address(t: torch.Tensor | Mapped) -> int:
@@ -125,14 +126,21 @@ def _row_numbers(offsets: np.ndarray, sizes: np.ndarray, row: int) -> np.ndarray
     return np.repeat(first - (np.cumsum(per) - per), per) + np.arange(int(per.sum()))
 
 
-def gather_copy(src: torch.Tensor, dst: torch.Tensor, runs: Runs, row: int) -> None:
-    """Copy runs of whole `row`-byte rows (offsets too) between flat uint8 regions as two
-    kernels on the current stream: gather the source rows into a temporary, scatter them into
-    place. Thousands of runs in one batched copy go slowly; this moves every byte twice."""
+def row_index(runs: Runs, row: int, device: torch.device) -> torch.Tensor:
+    """[2, rows] row numbers (source, destination) of runs of whole `row`-byte rows, on
+    `device` (from pinned memory on a GPU, so that the copy does not wait for the stream)."""
     s, d, n = runs
     index = torch.from_numpy(np.stack([_row_numbers(s, n, row), _row_numbers(d, n, row)]))
-    if src.device.type == "cuda":  # pinned, so that the copy does not wait for the stream
-        index = index.pin_memory().to(src.device, non_blocking=True)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+def gather_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, row: int) -> None:
+    """Copy the `row`-byte rows that `index` names between flat uint8 regions of one device as
+    two kernels on the current stream: gather the source rows into a temporary, scatter them
+    into place. Thousands of runs in one batched copy go slowly; this moves every byte twice.
+    Destination rows must not repeat (as for any batched copy, the order would be undefined)."""
     width = row // 8
     rows = src.view(torch.int64).view(-1, width).index_select(0, index[0])
     dst.view(torch.int64).view(-1, width).index_copy_(0, index[1], rows)
@@ -223,6 +231,7 @@ class CudaTransport(SocketWire):
         self._remote: dict[str, dict[str, torch.Tensor | Mapped]] = {}
         self._opened: dict[bytes, int] = {}  # driver IPC handle -> base address mapped here
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._indexes: dict[int, tuple[Runs, torch.Tensor]] = {}  # gathers' row numbers, per post
 
     def register(self, region: str, buffer: Any) -> Descriptor:
         self._check_open()
@@ -348,14 +357,27 @@ class CudaTransport(SocketWire):
                     for t, o in ((src, s), (dst, d))
                 )
             )
-            if words and self.gather and len(n) >= GATHER_MIN_RUNS:
-                gather_copy(src, dst, runs, row)
+            if words and self._gathers(src, dst, len(n), row):
+                key = id(runs)  # the same runs for every layer of a post: one index
+                if key not in self._indexes:  # (held with its runs, so the id stays theirs)
+                    self._indexes[key] = (runs, row_index(runs, row, src.device))
+                gather_copy(src, dst, self._indexes[key][1], row)
                 return
             dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
+    def _gathers(self, src: torch.Tensor, dst: torch.Tensor, runs: int, row: int) -> bool:
+        """Whether a group of `runs` runs of whole `row`-byte rows goes as a gather."""
+        return (
+            self.gather
+            and runs >= GATHER_MIN_RUNS
+            and row >= GATHER_MIN_ROW
+            and src.device == dst.device  # not a peer tensor of another GPU's context
+        )
+
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
         self._check_open()
+        self._indexes = {}
         if peer not in self._links or self._stream is None:
             raise TransportError(f"not connected to peer {peer!r} (or nothing registered)")
         plan: list[tuple[list[Group], int | None]] = []
