@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -21,6 +22,7 @@ pytest.importorskip("zmq")
 import torch
 
 from disagg.config import build_experiment
+from disagg.hw import node
 from disagg.hw.driver import HwOptions, HwRun, run_hw
 
 
@@ -70,6 +72,27 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return model, state.finished
 
 
+@pytest.mark.parametrize("spin", [False, True])
+def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
+    spin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle server waits up to 2 ms for a message (which wakes it at once). A decoder with
+    KV inbound over a wire without a wake-up fd polls every 200 us instead; with DISAGG_SPIN
+    every server polls without waiting."""
+    monkeypatch.setattr(node, "SPIN", spin)
+    for role in (node.PrefillServer, node.ColocatedServer):
+        assert object.__new__(role).idle_wait_s() == (0.0 if spin else 0.002)
+    decoder = object.__new__(node.DecodeServer)
+    for inbound, wake_fd, want in (
+        ({}, None, 0.002),
+        ({0: "kv"}, 7, 0.002),
+        ({0: "kv"}, None, 200e-6),
+    ):
+        decoder.messenger = SimpleNamespace(inbound=inbound)
+        decoder.wake_fd = wake_fd
+        assert decoder.idle_wait_s() == (0.0 if spin else want)
+
+
 @pytest.mark.parametrize(
     ("layout", "budget", "handoff", "policy", "knobs"),
     [
@@ -103,8 +126,8 @@ def test_disaggregated_equals_colocated(
     servers polling without sleeping, and a pass's last posts made after the host has waited
     for its end (the default posts them first, ordered on the wire)."""
     for knob in knobs.split():
-        name, _, value = knob.partition("=")
-        monkeypatch.setenv(name, value or "1")
+        name, sep, value = knob.partition("=")
+        monkeypatch.setenv(name, value if sep else "1")
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     data["transfer"]["policy"] = policy
