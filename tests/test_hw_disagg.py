@@ -100,14 +100,14 @@ def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
         ("NHD", 1000, "decode-first", "layerwise", ""),
         ("HND", 8, "parallel", "layerwise", ""),
         ("HND", 8, "decode-first", "layerwise", "DISAGG_SPIN"),
-        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM=0"),
+        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM"),
     ],
     ids=[
         "HND-chunked",
         "NHD-whole-prompt",
         "HND-chunked-parallel-handoff",
         "servers-spin",
-        "parallel-whole-request-posts-after-host-sync",
+        "parallel-whole-request-posts-in-stream",
     ],
 )
 def test_disaggregated_equals_colocated(
@@ -123,8 +123,8 @@ def test_disaggregated_equals_colocated(
     """Under parallel handoff the driver sends each request to the prefill server too, which
     starts before the decoder's pages are known; the pages and metadata reach the decoder all
     the same. So they do with the latency options (read by the servers from the environment):
-    servers polling without sleeping, and a pass's last posts made after the host has waited
-    for its end (the default posts them first, ordered on the wire)."""
+    servers polling without sleeping, and a pass's last posts made before the host waits for
+    its end (ordered after it on the wire)."""
     for knob in knobs.split():
         name, sep, value = knob.partition("=")
         monkeypatch.setenv(name, value if sep else "1")
@@ -280,12 +280,12 @@ def test_gpu_disaggregated_equals_colocated_over_the_cuda_wire(
 @CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["layerwise", "whole"])
-def test_gpu_latency_options_off_the_defaults_carry_the_same_pages_and_metadata(
+def test_gpu_latency_options_carry_the_same_pages_and_metadata(
     policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The other side of each latency option (the defaults run in every other GPU test): the
-    pass's last posts made after the host waits for its end, and the servers spinning."""
-    monkeypatch.setenv("DISAGG_META_IN_STREAM", "0")
+    """Both latency options on: the pass's last posts wait for its end on the wire's stream,
+    not on the host, and the servers spin; pages and metadata arrive the same."""
+    monkeypatch.setenv("DISAGG_META_IN_STREAM", "1")
     monkeypatch.setenv("DISAGG_SPIN", "1")
     gpu_equals_colocated("llama-3.1-8b", "HND", "decode-first", "cuda:0", tmp_path, policy)
 

@@ -179,9 +179,10 @@ def serve(cfg: NodeConfig) -> None:
 
 # ---- common server ---------------------------------------------------------------------------
 # An idle server sleeps in its poll until a control message or a landing wakes it. With
-# DISAGG_SPIN=1 every server polls without sleeping (one busy core each, as a serving loop
-# that never blocks). On one H200 at 2k prompts it cut decode-first's queue from 1.73 to
-# 1.43 ms, and TTFT by less than the spread between runs (gpu_2026-11-29f.md): opt-in.
+# DISAGG_SPIN=1 every server polls without sleeping (one busy core each). On one H200 at 2k
+# prompts it cut decode-first's queue from 1.73 to 1.43 ms, but whole-request TTFT grew by
+# about 1.5 ms (a spinning main thread likely keeps the wire's threads from the GIL), and
+# layer-wise TTFT moved less than the spread between runs (gpu_2026-11-29f.md): opt-in.
 SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
 
 
@@ -350,14 +351,14 @@ def _single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
 
 
 # ---- prefill -----------------------------------------------------------------------------
-# A prefill pass's last posts (the metadata and, under whole-request transfer, the pages) go
-# out as soon as the last layer is seen, the cuda wire's copy stream waiting on an event at the
-# end of the pass instead of the host: the host sync's wake-up and the host work after it stay
-# off the path to the decoder's readiness (on one H200, 2k prompts, layer-wise: end to ready
-# 0.16 ms instead of 0.66; whole-request: 0.52 instead of 1.99; gpu_2026-11-29f.md). Other
-# wires wait for the event on the host (on the CPU the pass is over already: only the host's
-# order of work changes). DISAGG_META_IN_STREAM=0 waits on the host before posting.
-META_IN_STREAM = os.environ.get("DISAGG_META_IN_STREAM", "1") != "0"
+# When a prefill pass ends, the server waits for the pass on the host, then posts the metadata
+# (and, under whole-request transfer, the pages). With DISAGG_META_IN_STREAM=1 it posts them as
+# soon as the last layer is seen, the cuda wire's copy stream waiting on an event at the end of
+# the pass instead of the host (other wires wait for the event on the host). On one H200 at 2k
+# prompts that changed neither TTFT nor ready minus prefill start beyond the spread between runs
+# (gpu_2026-11-29f.md), so it stays off: the host then stamps the prefill's end only after its
+# posts, which would move their host time from "end to ready" into "prefill" in the tables.
+META_IN_STREAM = os.environ.get("DISAGG_META_IN_STREAM", "0") != "0"
 
 
 class _PassDone:
