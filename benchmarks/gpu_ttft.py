@@ -58,12 +58,15 @@ def trace(path: Path, prompts: list[int], spacing_s: float) -> Path:
 def breakdown(req: pd.DataFrame) -> pd.DataFrame:
     """Median milliseconds of each stage of TTFT, by prompt length: waiting for the prefill,
     the prefill (start to the end of its step), its end to all KV landed on the decoder (ready),
-    and ready to the first token (the decoder's first step)."""
+    and ready to the first token (the decoder's first step). "Start to ready" spans the two
+    middle stages: where the prefill's end is stamped (after the host posts, with
+    DISAGG_META_IN_STREAM=1) moves time between them, not out of it."""
     ends = ["arrival_s", "prefill_start_s", "prefill_end_s", "ready_s", "first_token_s"]
     names = ["queue", "prefill", "end to ready", "ready to token"]
     ms = pd.DataFrame(
         {n: 1e3 * (req[b] - req[a]) for n, a, b in zip(names, ends[:-1], ends[1:], strict=True)}
     )
+    ms["start to ready"] = 1e3 * (req.ready_s - req.prefill_start_s)
     ms["ttft"] = 1e3 * req.ttft_s
     return ms.groupby(req.prompt_tokens).median().round(2)
 

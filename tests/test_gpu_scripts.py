@@ -75,6 +75,34 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
 
 
+def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two() -> None:
+    """gpu_ttft's breakdown: per prompt length, the median of each stage; "start to ready" is
+    each request's prefill plus end to ready, so moving the prefill's end stamp cannot change
+    it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_ttft", ROOT / "benchmarks" / "gpu_ttft.py")
+    assert spec is not None and spec.loader is not None
+    gpu_ttft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_ttft)
+    req = pd.DataFrame(
+        {
+            "prompt_tokens": [64, 64, 64, 128],
+            "arrival_s": [0.0, 1.0, 2.0, 3.0],
+            "prefill_start_s": [0.001, 1.002, 2.001, 3.001],
+            "prefill_end_s": [0.011, 1.010, 2.013, 3.021],  # the last 64 stamped 2 ms late
+            "ready_s": [0.012, 1.012, 2.013, 3.022],
+            "first_token_s": [0.015, 1.015, 2.016, 3.030],
+        }
+    )
+    req["ttft_s"] = req.first_token_s - req.arrival_s
+    ms = gpu_ttft.breakdown(req)
+    assert ms.loc[64, "queue"] == 1.0 and ms.loc[64, "prefill"] == 10.0
+    assert ms.loc[64, "end to ready"] == 1.0 and ms.loc[64, "start to ready"] == 11.0
+    assert ms.loc[64, "ttft"] == 15.0 and ms.loc[128, "start to ready"] == 21.0
+    assert ms.loc[128, "ready to token"] == 8.0
+
+
 def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Path) -> None:
     """Over the tcp wire between two processes: every immediate posted is seen, and each post
     completes after it was issued."""
