@@ -263,15 +263,17 @@ def test_cuda_scattered_pages_go_as_a_gather_that_lands_in_place(
         wire.connect("decode0", r.info, r.descs)
         rng = np.random.default_rng(0)
         sp, dp = (rng.permutation(pages)[:300] * row for _ in range(2))
+        sizes = np.full(300, row)  # the units share their arrays, as a post's layers do
         units = [
-            Unit(WriteArray(name, f"r{i}", sp, dp, np.full(300, row)), imm=i)
-            for i, name in enumerate("ab")
+            Unit(WriteArray(name, f"r{i}", sp, dp, sizes), imm=i) for i, name in enumerate("ab")
         ]
         wire.post("decode0", units, wr_id=0)
         imms, _ = r.ask("wait", 2, False, 60)
         assert imms == [0, 1]
         assert wait_completions(wire, 1) == [Completion(0, True)]
-        assert len(wire._indexes) == 1  # type: ignore[attr-defined]  # one index, both units
+        # one index for both units, unless another GPU's region goes by address, run by run
+        gathered = kernels or torch.cuda.device_count() == 1
+        assert len(wire._indexes) == int(gathered)  # type: ignore[attr-defined]
         for i in range(2):
             want = np.zeros((pages, row), dtype=np.uint8)
             want[dp // row] = src[i].view(pages, row).cpu().numpy()[sp // row]
