@@ -27,7 +27,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -136,7 +135,8 @@ def main() -> None:
     pdev, ddev = (str(resolve_device(a)) for a in (args.prefill_device, args.decode_device))
     prompts = [int(p) for p in args.prompts.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    tpath = trace(Path(tempfile.mkdtemp()) / "ttft.jsonl", prompts, args.spacing_s)
+    # kept beside the runs, whose experiments name it: `disagg sim run DIR/LABEL` replays one
+    tpath = trace(args.out.resolve() / "ttft.jsonl", prompts, args.spacing_s)
     runs = {
         "colocated": ("colocated", "layerwise", "decode-first"),
         "layerwise": ("disagg", "layerwise", "decode-first"),

@@ -12,6 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from disagg.config import load_experiment
+from disagg.core.metrics import requests_table
+from disagg.sim.cluster import Sim
+
 pytest.importorskip("torch")
 pytest.importorskip("zmq")
 
@@ -73,6 +77,14 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     rows = [r for r in report.splitlines() if r.startswith("|") and r.split("|")[1].strip()]
     assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
+    # the trace stays beside the runs: the simulator replays a run from its directory alone
+    exp = json.loads((tmp_path / "layerwise" / "experiment.json").read_text())
+    assert Path(exp["workload"]["trace"]).parent == tmp_path.resolve()
+    sim = Sim(load_experiment(tmp_path / "layerwise"))
+    sim.run()
+    replayed = requests_table(sim.requests.values())
+    assert sorted(replayed.prompt_tokens.tolist()) == [64, 64, 64, 128, 128]
+    assert (replayed.status == "finished").all()
 
 
 def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two() -> None:

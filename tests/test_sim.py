@@ -8,6 +8,7 @@ import pytest
 from disagg.config import load_experiment
 from disagg.core.metrics import requests_table, steps_table, transfers_table
 from disagg.errors import ConfigError
+from disagg.hardware import get_nic
 from disagg.sim.cluster import Sim
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -153,3 +154,30 @@ def test_a_model_that_does_not_fit_is_a_config_error() -> None:
                 ],
             )
         )
+
+
+def test_the_cuda_wire_entries_simulate_one_host_faster_than_a_network() -> None:
+    """Llama-8B prefill and decode on one host: over the cuda wire's measured figures
+    (`cuda-H200`, `NVLink-H200`) a whole request's KV is ready after its prefill in the
+    entry's latency + bytes / bandwidth + writes x cost per write, as over a ConnectX-7 NIC,
+    and so much sooner."""
+    one_host = [
+        "model.name=llama-3.1-8b",
+        "model.layers=32",
+        "transfer.policy=whole",
+        "workload.prompt_tokens.low=2000",
+        "workload.prompt_tokens.high=2100",
+        "workload.rate_per_s=2",
+    ]
+    gaps = {}
+    for nic in ("ConnectX-7", "NVLink-H200", "cuda-H200"):
+        sim = simulate("tiny-disagg.toml", *one_host, f"hardware.nic={nic}")
+        req, _, xfers = tables(sim)
+        assert (req.status == "finished").all() and len(req) >= 20
+        req, xfers = req.set_index("request_id"), xfers.set_index("request_id")
+        gap = req.ready_s - req.prefill_end_s
+        spec = get_nic(nic)
+        want = spec.latency_s + xfers.bytes / spec.bandwidth_bps + xfers.ops * spec.op_cost_s
+        assert gap.to_numpy() == pytest.approx(want.loc[gap.index].to_numpy(), rel=0.05)
+        gaps[nic] = float(gap.mean())
+    assert gaps["ConnectX-7"] > 3 * gaps["NVLink-H200"] > 3 * gaps["cuda-H200"]
