@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import random
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 from disagg.errors import TransportError
 from disagg.hw.transport import cuda as cuda_wire
 from disagg.hw.transport import cudadriver, make_transport
+from disagg.hw.transport._wire import IMM, frame
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
 from disagg.hw.transport.cuda import (
     STACK_MAX_RUNS,
@@ -138,6 +140,29 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
         dst.zero_()
         wire._copy(src, dst, runs)
         assert torch.equal(dst, want) and len(wire._rows) == 2
+
+
+def test_the_immediates_of_one_event_leave_in_one_send_after_it() -> None:
+    """The notifier waits for each event in post order and sends the immediates it vouches
+    for (a stacked copy's units) together, then waits for the batch's final event."""
+    log: list[Any] = []
+
+    class Event:  # the notifier only synchronizes events
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            log.append(self.name)
+
+    class Link:
+        def send(self, data: bytes) -> None:
+            log.append(data)
+
+    a, b = Event("a"), Event("b")
+    marks = [(a, 1), (a, 2), (a, 3), (b, 4)]
+    cuda_wire._wait_and_notify(Link(), (marks, Event("final")))  # type: ignore[arg-type]
+    imms = [frame(IMM, k) for k in range(1, 5)]
+    assert log == ["a", b"".join(imms[:3]), "b", imms[3], "final"]
 
 
 def _stack_plan(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import pickle
 from collections.abc import Sequence
@@ -174,15 +175,10 @@ def _wait_and_notify(link: Link, job: Events) -> None:
     """Worker side: send each immediate once its unit's copies are done, then finish. The
     immediates of one event (a stacked copy's units) leave in one send."""
     marks, final = job
-    i = 0
-    while i < len(marks):
-        event = marks[i][0]
-        event.synchronize()
-        j = i
-        while j < len(marks) and marks[j][0] is event:
-            j += 1
-        link.send(b"".join(frame(IMM, imm) for _, imm in marks[i:j]))
-        i = j
+    for _, same in itertools.groupby(marks, key=lambda mark: id(mark[0])):
+        group = list(same)
+        group[0][0].synchronize()
+        link.send(b"".join(frame(IMM, imm) for _, imm in group))
     final.synchronize()
 
 
