@@ -89,7 +89,7 @@ def measure(tokens: int, dev_s: torch.device, dev_d: torch.device) -> dict[str, 
         except Exception as e:  # a way the torch build lacks: record it, go on
             out[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             continue
-        ok = torch.equal(dst[:, at : at + run].cpu(), src[:, at : at + run].cpu())
+        ok = torch.equal(dst[:, at : at + run], src[:, at : at + run].to(dev_d))  # on the GPU
         out[name] = {"gbps": nbytes / t / 1e9, "fraction_of_one_copy": one / t, "bytes_ok": ok}
     return out
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -70,15 +69,16 @@ def breakdown(req: pd.DataFrame) -> pd.DataFrame:
     return ms.groupby(req.prompt_tokens).median().round(2)
 
 
-def decode_steps(req: pd.DataFrame, steps: pd.DataFrame) -> dict[int, float]:
+def decode_steps(req: pd.DataFrame, steps: pd.DataFrame, prompts: list[int]) -> dict[int, float]:
     """Median seconds of a batch-1 decode pass at each prompt length: the passes that ran
-    while a request of that length was decoding (requests run one at a time)."""
+    while a request of that length was decoding (requests run one at a time); NaN for a
+    length with no finished request."""
     one = steps[(steps.kind == "decode") & (steps.decode_seqs == 1)]
-    out: dict[int, list[float]] = {}
+    out: dict[int, list[float]] = {n: [] for n in prompts}
     for _, r in req.iterrows():
         during = one[(one.start_s >= r.first_token_s - 1e-3) & (one.start_s < r.finish_s)]
-        out.setdefault(int(r.prompt_tokens), []).extend(during.duration_s)
-    return {n: statistics.median(v) if v else float("nan") for n, v in out.items()}
+        out[int(r.prompt_tokens)].extend(during.duration_s)
+    return {n: _median(np.asarray(v)) for n, v in out.items()}
 
 
 def _median(v: np.ndarray) -> float:
@@ -167,7 +167,7 @@ def main() -> None:
         samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
         ttft[label] = {n: _median(v) for n, v in samples[label].items()}
         stages[label] = breakdown(req)
-        decode_step[label] = decode_steps(req, steps)
+        decode_step[label] = decode_steps(req, steps, prompts)
         print(
             f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",
             flush=True,

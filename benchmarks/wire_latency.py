@@ -112,16 +112,15 @@ def profile_posts(wire_name: str, src_dev: str, dst_dev: str, tokens: int, n: in
 def _one(wire: Any, units: list[Unit], wr: int) -> tuple[float, float, float]:
     """(post, copied, completed) seconds of one post, all from the start of `post`."""
     stream = getattr(wire, "stream", None)
+    if stream is not None:
+        import torch
     t0 = time.perf_counter()
     wire.post("decode", units, wr)
     t_post = time.perf_counter()
     if stream is not None:
-        import torch
-
         done = torch.cuda.Event()
         done.record(stream)
-        while not done.query():
-            pass
+        done.synchronize()  # releases the GIL to the wire's threads, as a Python spin would not
     t_copied = time.perf_counter()
     await_completion(wire, wr)
     t_done = time.perf_counter()

@@ -3,11 +3,14 @@ so a script that only runs on lent GPUs does not rot between device sessions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -87,16 +90,38 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     assert (replayed.status == "finished").all()
 
 
+def _gpu_ttft() -> Any:
+    """benchmarks/gpu_ttft.py as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location("gpu_ttft", ROOT / "benchmarks" / "gpu_ttft.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_pass_medians_by_length_are_nan_where_no_request_finished() -> None:
+    """gpu_ttft's batch-1 decode pass per prompt length: the passes during each request's
+    decoding; a length whose requests all failed is NaN (its bound then reads n/a), not a
+    KeyError."""
+    req = pd.DataFrame(
+        {"prompt_tokens": [64, 64], "first_token_s": [1.0, 2.0], "finish_s": [1.5, 2.5]}
+    )
+    steps = pd.DataFrame(
+        {
+            "kind": ["decode", "decode", "decode", "prefill", "decode"],
+            "decode_seqs": [1, 1, 1, 0, 2],
+            "start_s": [1.1, 2.1, 2.2, 1.2, 1.3],
+            "duration_s": [0.004, 0.006, 0.008, 0.05, 0.009],
+        }
+    )
+    out = _gpu_ttft().decode_steps(req, steps, [64, 128])
+    assert out[64] == 0.006 and math.isnan(out[128])
+
+
 def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two() -> None:
     """gpu_ttft's breakdown: per prompt length, the median of each stage; "start to ready" is
     each request's prefill plus end to ready, so moving the prefill's end stamp cannot change
     it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_ttft", ROOT / "benchmarks" / "gpu_ttft.py")
-    assert spec is not None and spec.loader is not None
-    gpu_ttft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_ttft)
     req = pd.DataFrame(
         {
             "prompt_tokens": [64, 64, 64, 128],
@@ -108,7 +133,7 @@ def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two(
         }
     )
     req["ttft_s"] = req.first_token_s - req.arrival_s
-    ms = gpu_ttft.breakdown(req)
+    ms = _gpu_ttft().breakdown(req)
     assert ms.loc[64, "queue"] == 1.0 and ms.loc[64, "prefill"] == 10.0
     assert ms.loc[64, "end to ready"] == 1.0 and ms.loc[64, "start to ready"] == 11.0
     assert ms.loc[64, "ttft"] == 15.0 and ms.loc[128, "start to ready"] == 21.0
@@ -116,16 +141,17 @@ def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two(
 
 
 def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Path) -> None:
-    """Over the tcp wire between two processes: every immediate posted is seen, and each post
-    completes after it was issued."""
+    """Over the tcp wire between two processes: every immediate posted is seen, and a whole
+    request's 32 layers (8 MiB) take longer to complete than one 64-byte unit."""
     done = _script("wire_latency.py", "--wire", "tcp", "--tokens", "64", "--repeats", "3",
                    "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads((tmp_path / "wire_latency.json").read_text())
     assert r["immediates_seen"] == r["immediates_posted"] == 5 * (1 + 1 + 32)
     posts = [v for v in r.values() if isinstance(v, dict)]
-    assert len(posts) == 3
-    assert all(0 < p["post_ms"] <= p["copied_ms"] <= p["completed_ms"] for p in posts)
+    assert len(posts) == 3 and all(p["post_ms"] > 0 for p in posts)
+    unit, whole = r["one 64-byte unit"], r["64-token request, 32 layers"]
+    assert whole["completed_ms"] > unit["completed_ms"]
 
 
 def test_copy_ways_dry_run_checks_every_ways_bytes(tmp_path: Path) -> None:

@@ -133,5 +133,6 @@ def test_flashinfer_matches_reference(kind: str, lens: list[tuple[int, int]]) ->
 def test_every_flashinfer_decode_kernel_matches_reference(kind: str, kernel: str) -> None:
     """The decode kernels `--attention flashinfer:KERNEL` picks, each against the reference."""
     shape, dev = FLASHINFER_SHAPES[kind], torch.device("cuda")
+    assert make_attention(f"flashinfer:{kernel}", shape, dev).decode_kernel == kernel  # picked
     err, scale = error_against_reference(shape, DECODE, dev, 7, kernel)
     assert math.isfinite(err) and err <= 2e-2 * max(1.0, scale), f"{kernel}: max error {err}"

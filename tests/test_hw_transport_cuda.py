@@ -132,7 +132,8 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
     assert index.shape == (2, sum(sizes))
     dst.zero_()
     wire._copy(src, dst, runs)  # the next layer of the same post
-    assert torch.equal(dst, want) and [ix for _, ix in wire._indexes.values()] == [index]
+    (again,) = [ix for _, ix in wire._indexes.values()]
+    assert torch.equal(dst, want) and again is index
     for more_runs, more_row in ((1, 0), (0, 8)):  # one run fewer, or smaller rows: batched
         monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]) + more_runs)
         monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", row + more_row)

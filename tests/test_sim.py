@@ -180,4 +180,5 @@ def test_the_cuda_wire_entries_simulate_one_host_faster_than_a_network() -> None
         want = spec.latency_s + xfers.bytes / spec.bandwidth_bps + xfers.ops * spec.op_cost_s
         assert gap.to_numpy() == pytest.approx(want.loc[gap.index].to_numpy(), rel=0.05)
         gaps[nic] = float(gap.mean())
-    assert gaps["ConnectX-7"] > 3 * gaps["NVLink-H200"] > 3 * gaps["cuda-H200"]
+    assert gaps["ConnectX-7"] > 3 * gaps["NVLink-H200"]
+    assert gaps["NVLink-H200"] > 1.2 * gaps["cuda-H200"]
