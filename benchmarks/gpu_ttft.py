@@ -81,6 +81,35 @@ def decode_steps(req: pd.DataFrame, steps: pd.DataFrame, prompts: list[int]) -> 
     return {n: _median(np.asarray(v)) for n, v in out.items()}
 
 
+def first_passes(req: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Median ms of each request's first batch-1 decode pass and of its later ones, wall and
+    device time (the pass's kernels: `device_s`), by prompt length. A disaggregated request's
+    first decode pass makes its first token (it starts at ready); a colocated request's first
+    token comes from its prefill, so its first decode pass makes the second. Wall minus
+    device is the host's share: planning, launching, and waiting for the GPU."""
+    one = steps[(steps.kind == "decode") & (steps.decode_seqs == 1)].sort_values("start_s")
+    device = one.device_s if "device_s" in one else pd.Series(math.nan, index=one.index)
+    rows = []
+    for _, r in req.iterrows():
+        begin = np.fmin(r.ready_s, r.first_token_s) - 1e-3  # colocated: no ready stamp
+        own = (one.start_s >= begin) & (one.start_s < r.finish_s)
+        wall, dev = 1e3 * one.duration_s[own].to_numpy(), 1e3 * device[own].to_numpy()
+        if len(wall):
+            rows.append(
+                {
+                    "prompt": r.prompt_tokens,
+                    "first": wall[0],
+                    "first device": dev[0],
+                    "later": _median(wall[1:]),
+                    "later device": _median(dev[1:]),
+                }
+            )
+    cols = ["first", "first device", "later", "later device"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    return pd.DataFrame(rows).groupby("prompt")[cols].median().round(2)
+
+
 def _median(v: np.ndarray) -> float:
     return float(np.median(v)) if len(v) else float("nan")
 
@@ -166,7 +195,8 @@ def main() -> None:
         req = req[req.status == "finished"]
         samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
         ttft[label] = {n: _median(v) for n, v in samples[label].items()}
-        stages[label] = breakdown(req)
+        passes = first_passes(req, steps).add_prefix("decode pass: ")
+        stages[label] = breakdown(req).join(passes)
         decode_step[label] = decode_steps(req, steps, prompts)
         print(
             f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",

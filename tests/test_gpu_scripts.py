@@ -118,6 +118,34 @@ def test_decode_pass_medians_by_length_are_nan_where_no_request_finished() -> No
     assert out[64] == 0.006 and math.isnan(out[128])
 
 
+def test_first_decode_pass_is_told_apart_from_the_later_ones_wall_and_device() -> None:
+    """gpu_ttft's first pass: a disaggregated request's starts at ready (before its first
+    token), a colocated one's (no ready stamp) after its first token; passes of other
+    requests, of other kinds and of larger batches are not counted."""
+    req = pd.DataFrame(
+        {
+            "prompt_tokens": [64, 64, 128],
+            "ready_s": [1.0, 2.0, math.nan],
+            "first_token_s": [1.006, 2.006, 3.0],
+            "finish_s": [1.5, 2.5, 3.5],
+        }
+    )
+    steps = pd.DataFrame(
+        {
+            "kind": ["decode", "decode", "decode", "decode", "prefill", "decode", "decode"],
+            "decode_seqs": [1, 1, 1, 1, 0, 1, 2],
+            "start_s": [1.0001, 1.01, 2.0002, 2.01, 3.1, 3.01, 3.2],
+            "duration_s": [0.007, 0.006, 0.009, 0.006, 0.05, 0.004, 0.01],
+            "device_s": [0.005, 0.0055, 0.006, 0.0057, 0.04, 0.003, 0.009],
+        }
+    )
+    ms = _gpu_ttft().first_passes(req, steps)
+    assert ms.loc[64, "first"] == 8.0 and ms.loc[64, "first device"] == 5.5
+    assert ms.loc[64, "later"] == 6.0 and ms.loc[64, "later device"] == 5.6
+    assert ms.loc[128, "first"] == 4.0 and ms.loc[128, "first device"] == 3.0
+    assert math.isnan(ms.loc[128, "later"])  # its only other pass carried two sequences
+
+
 def test_ttft_stages_split_each_request_and_start_to_ready_spans_the_middle_two() -> None:
     """gpu_ttft's breakdown: per prompt length, the median of each stage; "start to ready" is
     each request's prefill plus end to ready, so moving the prefill's end stamp cannot change

@@ -134,6 +134,11 @@ def test_disaggregated_equals_colocated(
     finished = state.finished
     submits = {name: r.submits for name, r in state.records.items()}
     assert submits == {"prefill0": 5 if handoff == "parallel" else 0, "decode0": 5}
+    spin, in_stream = "DISAGG_SPIN" in knobs, "DISAGG_META_IN_STREAM" in knobs
+    for r in state.records.values():  # the knobs reached the spawned servers, and took effect
+        assert (r.settings["spin"], r.settings["meta_in_stream"]) == (spin, in_stream)
+        assert r.settings["switch_interval_s"] == pytest.approx(1e-4 if spin else 5e-3)
+    assert summary["node_settings"]["prefill0"] == state.records["prefill0"].settings
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)
@@ -150,6 +155,8 @@ def test_disaggregated_equals_colocated(
     req = pd.read_parquet(tmp_path / "disagg" / "requests.parquet")
     assert (req.ready_s >= req.prefill_end_s - 1e-3).all()
     assert (req.first_token_s >= req.ready_s).all()
+    steps = pd.read_parquet(tmp_path / "disagg" / "steps.parquet")
+    assert len(steps) > 0 and steps.device_s.isna().all()  # a CPU pass is all host time
 
 
 def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path) -> None:
@@ -333,6 +340,10 @@ def gpu_equals_colocated(
         summary, state = run_hw(build_experiment(data), opts, tmp_path / mode)
         assert summary["completed"] == 5
         out[mode] = state.finished
+        # every pass's device time is measured, and is part of its wall time
+        steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
+        assert (steps.device_s > 0).all()
+        assert (steps.device_s <= steps.duration_s + 1e-4).all()
     for req_id, ref in out["colocated"].items():
         got = out["disagg"][req_id]
         # The first token is chosen from logits that read every transferred page: it and its

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -76,7 +77,9 @@ def _decode_against_recompute(m: Transformer, runner: Runner, steps: int, atol: 
 @pytest.mark.parametrize("spec", [tiny_gqa(), tiny_mla()], ids=["gqa", "mla"])
 def test_runner_decode_equals_full_recompute(spec) -> None:  # type: ignore[no-untyped-def]
     m = Transformer(spec, seed=4)
-    _decode_against_recompute(m, Runner(m, m.new_cache(24, PAGE)), steps=4, atol=1e-4)
+    runner = Runner(m, m.new_cache(24, PAGE))
+    _decode_against_recompute(m, runner, steps=4, atol=1e-4)
+    assert math.isnan(runner.device_s())  # no device: a CPU step is all host time
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -99,5 +102,10 @@ def test_graph_decode_on_gpu_matches_reference(spec) -> None:  # type: ignore[no
         got, want = fi.step(batch).logits, ref.step(batch).logits
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
     assert 4 in fi._graphs and not fi.graph_error
+    t = time.perf_counter()
+    fi.step(batch)
+    wall = time.perf_counter() - t
+    assert 0 < fi.device_s() <= wall + 1e-4  # the graph's time on the device, within the step
+    assert ref.device_s() > 0  # eager passes are timed too
     torch.cuda.synchronize()
-    assert fi.counter.read() == 4 * spec.layers
+    assert fi.counter.read() == 5 * spec.layers

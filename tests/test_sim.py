@@ -42,6 +42,7 @@ def test_every_experiment_completes_every_request_without_leaks(path: str) -> No
         assert (xfers.end_s >= xfers.start_s).all() and (xfers.bytes > 0).all()
         assert (req.ready_s <= req.first_token_s).all()
         assert (req.prefill_end_s <= req.ready_s + 1e-9).all()
+    assert (steps.device_s == steps.duration_s).all()  # the model has no host overhead
     passes = (steps.steps * steps.decode_seqs).sum()
     tps = sim.exp.spec.accepted_tokens_per_step
     assert passes * tps >= req.output_tokens.sum() - len(req) * tps

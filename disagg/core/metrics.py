@@ -4,6 +4,9 @@ Every run writes three tables and a summary:
 - requests: one row per request with its timestamps (seconds since the run's start);
 - steps: one row per forward pass, or per run of `steps` identical decode passes
   (a decode node coalesces passes between batch changes; `duration_s` covers them all);
+  `device_s` is the part the GPU spent running the pass (hw on CUDA: events around the
+  forward; NaN on CPU; the simulator models device time only, so there it is `duration_s`),
+  and `duration_s - device_s` the host's overhead (planning, launching, waiting to run);
 - transfers: one row per request transfer (bytes, write operations, first post, last landing).
 Metrics, plots and notebooks read only these, so sim and hw results compare column by column.
 """
@@ -34,6 +37,7 @@ STEP_COLUMNS = [
     "decode_seqs",
     "tokens",
     "prefill_tokens",
+    "device_s",
 ]
 TRANSFER_COLUMNS = [
     "request_id",
@@ -75,6 +79,7 @@ class Recorder:
         decode_seqs: int,
         tokens: int,
         prefill_tokens: int,
+        device_s: float = math.nan,
     ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
         decoding sequences, tokens (prefill tokens + decode queries), prefill tokens."""
@@ -89,6 +94,7 @@ class Recorder:
                 decode_seqs,
                 tokens,
                 prefill_tokens,
+                device_s,
             )
         )
 
@@ -101,12 +107,13 @@ class Recorder:
         batch: Batch,
         steps: int = 1,
         decode_qo: int = 1,
+        device_s: float = math.nan,
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
         tokens into a pass (1 + draft tokens)."""
         d, prefill = len(batch.decodes), batch.prefill_tokens
         rows, tokens = len(batch.chunks) + d, prefill + d * decode_qo
-        self.step(node, kind, start_s, duration_s, steps, rows, d, tokens, prefill)
+        self.step(node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)

@@ -263,6 +263,7 @@ def run_hw(
     req, steps, xfers = tables(state)
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
+    summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state

@@ -134,6 +134,7 @@ class Records:
     transfers: tuple[tuple[Any, ...], ...]
     error: str = ""
     submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
+    settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ def serve(cfg: NodeConfig) -> None:
     # the driver's socket while the first lives, and the reason with it
     control = Control(cfg.name, cfg.bind)
     control.connect("driver", cfg.driver)
+    if SPIN:
+        sys.setswitchinterval(SPIN_SWITCH_S)
     try:
         server = kinds[cfg.role](cfg, control)
     except DisaggError as e:
@@ -184,6 +187,20 @@ def serve(cfg: NodeConfig) -> None:
 # about 1.5 ms (a spinning main thread likely keeps the wire's threads from the GIL), and
 # layer-wise TTFT moved less than the spread between runs (gpu_2026-11-29f.md): opt-in.
 SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
+# A spinning main thread holds the GIL between polls: a thread of the wire that wants it waits
+# for the interpreter's switch interval, 5 ms by default. Spinning servers shorten it.
+SPIN_SWITCH_S = 100e-6
+
+
+def settings() -> dict[str, Any]:
+    """The latency settings this process runs with, for its records (the DISAGG_* variables
+    it was started with, and what they turned on)."""
+    return {
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISAGG_")},
+        "spin": SPIN,
+        "meta_in_stream": META_IN_STREAM,
+        "switch_interval_s": sys.getswitchinterval(),
+    }
 
 
 @dataclass
@@ -242,6 +259,7 @@ class Server:
                 tuple(tuple(v) for v in self.stats.transfers.values()),
                 error,
                 self.stats.submits,
+                settings(),
             ),
         )
         if self.wire is not None:
@@ -329,7 +347,10 @@ class Server:
         raise NotImplementedError
 
     def record(self, kind: str, start: float, batch: Batch) -> None:
-        self.stats.steps.batch(self.cfg.name, kind, start, self.now() - start, batch)
+        took = self.now() - start
+        self.stats.steps.batch(
+            self.cfg.name, kind, start, took, batch, device_s=self.runner.device_s()
+        )
 
     def sync(self) -> None:
         if self.model.device.type == "cuda":

@@ -7,10 +7,12 @@ the messenger learns that a layer's KV pages may be sent while the step still ru
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +195,7 @@ class Runner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self.graph_error = ""
         self._staged: torch.cuda.Event | None = None
+        self._timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def capture(self, batches: Sequence[int] | None = None) -> None:
         """Capture decode graphs now (largest first, so smaller ones reuse its memory)."""
@@ -220,6 +223,28 @@ class Runner:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
+    @contextlib.contextmanager
+    def _timing(self) -> Iterator[None]:
+        """Events around the forward on CUDA (its inputs are staged before it): `device_s`."""
+        if self.device.type != "cuda":
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._timed = start, end
+
+    def device_s(self) -> float:
+        """Seconds from the device reaching the last step's forward to its end (gaps where it
+        waited for the host's launches count; waits for the step to end). NaN on the CPU,
+        where a step's time is all host time."""
+        if self._timed is None:
+            return math.nan
+        start, end = self._timed
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def step(self, batch: Sequence[Seq], *, sample: bool = False) -> StepOutput:
         """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`)."""
         with on_device(self.device):  # its streams, graphs and kernels, whatever is current
@@ -236,12 +261,14 @@ class Runner:
         if graph is not None:
             graph.prepare(batch)
             self._mark_staged()
-            out = graph.replay(len(batch))
+            with self._timing():
+                out = graph.replay(len(batch))
         else:
             self.attn.plan(meta)
             x = StepTensors.build(batch, self.cache.page_size, self.device)
             self._mark_staged()
-            out = self.model.forward_tensors(x, self.cache, self.attn, self.counter.bump)
+            with self._timing():
+                out = self.model.forward_tensors(x, self.cache, self.attn, self.counter.bump)
         self.steps += 1
         tokens = out.logits.argmax(-1).tolist() if sample else None
         return StepOutput(out.logits, out.hidden, tokens, before)

@@ -127,9 +127,8 @@ class Node:
 
     def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
         """One steps-table row for `steps` passes of `batch` that began at `t0`."""
-        self.sim.rec.batch(
-            self.name, kind, t0, self.env.now - t0, batch, steps, self.cost.decode_qo
-        )
+        took = self.env.now - t0  # all of it device time: the model has no host overhead
+        self.sim.rec.batch(self.name, kind, t0, took, batch, steps, self.cost.decode_qo, took)
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
