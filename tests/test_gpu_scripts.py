@@ -90,13 +90,17 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     assert (replayed.status == "finished").all()
 
 
-def _gpu_ttft() -> Any:
-    """benchmarks/gpu_ttft.py as a module (its functions, without running it)."""
-    spec = importlib.util.spec_from_file_location("gpu_ttft", ROOT / "benchmarks" / "gpu_ttft.py")
+def _module(name: str) -> Any:
+    """benchmarks/NAME.py as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_ttft() -> Any:
+    return _module("gpu_ttft")
 
 
 def test_decode_pass_medians_by_length_are_nan_where_no_request_finished() -> None:
@@ -180,6 +184,17 @@ def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Pa
     assert len(posts) == 3 and all(p["post_ms"] > 0 for p in posts)
     unit, whole = r["one 64-byte unit"], r["64-token request, 32 layers"]
     assert whole["completed_ms"] > unit["completed_ms"]
+
+
+def test_first_pass_dry_run_times_every_condition(tmp_path: Path) -> None:
+    """first_pass.py on the CPU: every condition and the later passes have a wall time (the
+    graph's parts are n/a without a GPU)."""
+    done = _script("first_pass.py", "--device", "cpu", "--model", "tiny-gqa", "--prompt", "40",
+                   "--idle-s", "0.01", "--repeats", "2", "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ms = json.loads((tmp_path / "first_pass.json").read_text())["ms"]
+    assert set(ms) == {*_module("first_pass").CONDITIONS, "later passes"}
+    assert all(row["wall"] > 0 and row["tail and rest"] == row["wall"] for row in ms.values())
 
 
 def test_copy_ways_dry_run_checks_every_ways_bytes(tmp_path: Path) -> None:

@@ -181,7 +181,7 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     16-byte words, or (mapped peer) another allocation or a pitch over the device's limit end
     the stack; a local peer's scattered runs do not stack, a mapped peer's do."""
     wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
-    wire.device = torch.device("cuda", 0)
+    wire.device, wire.gather = torch.device("cuda", 0), True
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
     src, dst = torch.zeros(6, 4096, dtype=torch.uint8), torch.zeros(6, 8192, dtype=torch.uint8)
     one = WriteArray("s", "d", [512], [1024], [2048])
@@ -215,13 +215,22 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     )
     assert wire._stackable(_stack_plan(list(src), list(dst), scattered), 0) == 1
     assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
+    # runs enough to gather, into a mapped peer seen through a view on this GPU: a gather per
+    # unit, not a stacked copy per run; with no view (by address only) they stack as before
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", runs)
+    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", 64)
+    viewed: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel(), t) for t in dst]
+    assert wire._stackable(_stack_plan(list(src), viewed, scattered), 0) == 1
+    assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
+    wire.gather = False
+    assert wire._stackable(_stack_plan(list(src), viewed, scattered), 0) == 6
 
 
 def test_a_stacked_copy_puts_every_layers_runs_in_place() -> None:
     """The strided copy (a row per layer, 16-byte words) on CPU tensors: three runs of pages in
     five layers land where five per-layer copies would put them, and nothing else changes."""
     wire = object.__new__(CudaTransport)
-    wire.device = torch.device("cuda", 0)
+    wire.device, wire.gather = torch.device("cuda", 0), True
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (5, 4096), dtype=torch.uint8, generator=gen)
     dst = torch.randint(0, 256, (5, 6144), dtype=torch.uint8, generator=gen)
@@ -298,6 +307,7 @@ def test_cuda_scattered_pages_go_as_a_gather_that_lands_in_place(
         assert imms == [0, 1]
         assert wait_completions(wire, 1) == [Completion(0, True)]
         # one index for both units, unless another GPU's region goes by address, run by run
+        # (stacked: a 2D copy per run for both units)
         gathered = kernels or torch.cuda.device_count() == 1
         assert len(wire._indexes) == int(gathered)  # type: ignore[attr-defined]
         for i in range(2):

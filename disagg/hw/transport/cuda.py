@@ -112,6 +112,22 @@ def _unaligned(src: torch.Tensor, dst: torch.Tensor | Mapped, *offsets: np.ndarr
     return any(a % WORD for a in starts) or any(bool((o % WORD).any()) for o in offsets)
 
 
+def _whole_rows(src: torch.Tensor, dst: torch.Tensor | Mapped, runs: Runs) -> int:
+    """The shortest run's size in bytes if every run of `runs` is whole rows of it, at
+    row-aligned offsets of 8-byte-aligned tensors whose sizes are whole rows; else 0."""
+    s, d, n = runs
+    row = int(n.min())
+    whole = (
+        row % 8 == 0
+        and not (n % row).any()
+        and all(
+            t.numel() % row == 0 and _address(t) % 8 == 0 and not (o % row).any()
+            for t, o in ((src, s), (dst, d))
+        )
+    )
+    return row if whole else 0
+
+
 def _rows(t: torch.Tensor, first: int, pitch: int, width: int, rows: int) -> torch.Tensor:
     """`rows` rows of `width` bytes, `pitch` bytes apart from byte `first` of the flat uint8
     region `t`, as 16-byte words: a view of t's storage (which must hold every row)."""
@@ -344,31 +360,29 @@ class CudaTransport(SocketWire):
         elif len(n) == 1:
             dst[d[0] : d[0] + n[0]].copy_(src[s[0] : s[0] + n[0]], non_blocking=True)
         elif len(n):
-            row = int(n.min())
-            words = (
-                row % 8 == 0
-                and not (n % row).any()
-                and all(
-                    t.numel() % row == 0 and t.data_ptr() % 8 == 0 and not (o % row).any()
-                    for t, o in ((src, s), (dst, d))
-                )
-            )
-            if words and self._gathers(src, dst, len(n), row):
+            row = _whole_rows(src, dst, runs)
+            if self._gathers(src, dst, len(n), row):
                 key = id(runs)  # the same runs for every layer of a post: one index
                 if key not in self._indexes:  # (held with its runs, so the id stays theirs)
                     self._indexes[key] = (runs, row_index(runs, row, src.device))
                 gather_copy(src, dst, self._indexes[key][1], row)
                 return
-            dsts, srcs = (self._views(t, o, n, row, words) for t, o in ((dst, d), (src, s)))
+            dsts, srcs = (self._views(t, o, n, row, row > 0) for t, o in ((dst, d), (src, s)))
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
-    def _gathers(self, src: torch.Tensor, dst: torch.Tensor, runs: int, row: int) -> bool:
-        """Whether a group of `runs` runs of whole `row`-byte rows goes as a gather."""
+    def _gathers(self, src: torch.Tensor, dst: torch.Tensor | Mapped, runs: int, row: int) -> bool:
+        """Whether a group of `runs` runs of whole `row`-byte rows (0: not whole rows) goes as
+        a gather: into a tensor of this device (another GPU's region through this GPU's view
+        of it, not a peer tensor of the other's context)."""
+        if isinstance(dst, Mapped):
+            if dst.view is None:
+                return False
+            dst = dst.view
         return (
             self.gather
             and runs >= GATHER_MIN_RUNS
             and row >= GATHER_MIN_ROW
-            and src.device == dst.device  # not a peer tensor of another GPU's context
+            and src.device == dst.device
         )
 
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
@@ -408,10 +422,11 @@ class CudaTransport(SocketWire):
         out as one copy per run, a row per unit (`_copy_stacked`). 1 if none can join."""
         if len(plan[i][0]) != 1:
             return 1
-        src0, dst0, (s0, d0, n0) = plan[i][0][0]
+        src0, dst0, runs0 = plan[i][0][0]
+        s0, d0, n0 = runs0
         mapped = isinstance(dst0, Mapped)
-        if not len(n0):
-            return 1
+        if not len(n0) or self._gathers(src0, dst0, len(n0), _whole_rows(src0, dst0, runs0)):
+            return 1  # many scattered pages: a gather per unit beats a stacked copy per run
         if mapped:
             assert self.device is not None
             limit = cudadriver.max_pitch(self.device.index or 0)
