@@ -340,6 +340,8 @@ def gpu_equals_colocated(
         summary, state = run_hw(build_experiment(data), opts, tmp_path / mode)
         assert summary["completed"] == 5
         out[mode] = state.finished
+        if mode == "disagg":  # an idle decoder plans a request's first pass while KV is inbound
+            assert state.records["decode0"].planned_ahead >= 1
         # every pass's device time is measured, and is part of its wall time
         steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
         assert (steps.device_s > 0).all()

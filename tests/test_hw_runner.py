@@ -109,3 +109,34 @@ def test_graph_decode_on_gpu_matches_reference(spec) -> None:  # type: ignore[no
     assert ref.device_s() > 0  # eager passes are timed too
     torch.cuda.synchronize()
     assert fi.counter.read() == 5 * spec.layers
+
+
+def test_plan_ahead_is_a_no_op_without_graphs() -> None:
+    """On the CPU (eager steps) there is no graph to plan for: nothing is kept, the step runs
+    as always."""
+    m = Transformer(tiny_gqa(), seed=4)
+    runner = Runner(m, m.new_cache(24, PAGE))
+    runner.step([Seq.of(PROMPTS[0], 0, _pages(0))])
+    batch = [Seq.of([7], len(PROMPTS[0]), _pages(0))]
+    assert not runner.plan_ahead(batch)
+    assert runner.step(batch, sample=True).tokens is not None and runner.planned_ahead == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_pass_planned_ahead_only_replays_its_graph_and_gives_the_same_logits() -> None:
+    """A step of exactly the batch planned ahead skips planning and matches a runner that
+    planned as usual; a plan made for another batch is not used (the step plans its own)."""
+    m = Transformer(small_gqa(), seed=4, device="cuda")
+    a, b = (Runner(m, m.new_cache(24, PAGE), graph_batches=(1,)) for _ in range(2))
+    prompt = PROMPTS[0]
+    for r in (a, b):
+        r.step([Seq.of(prompt, 0, _pages(0))])
+    batch = [Seq.of([7], len(prompt), _pages(0))]
+    assert a.plan_ahead(batch)
+    torch.testing.assert_close(a.step(batch).logits, b.step(batch).logits, atol=0, rtol=0)
+    assert a.planned_ahead == 1
+    assert a.plan_ahead([Seq.of([8], len(prompt) + 1, _pages(0))])  # token 8 planned ...
+    other = [Seq.of([9], len(prompt) + 1, _pages(0))]  # ... token 9 run
+    torch.testing.assert_close(a.step(other).logits, b.step(other).logits, atol=0, rtol=0)
+    assert a.planned_ahead == 1

@@ -135,6 +135,7 @@ class Records:
     error: str = ""
     submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
     settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
+    planned_ahead: int = 0  # decode passes whose plan was made while their KV was inbound
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,10 @@ def serve(cfg: NodeConfig) -> None:
 # about 1.5 ms (a spinning main thread likely keeps the wire's threads from the GIL), and
 # layer-wise TTFT moved less than the spread between runs (gpu_2026-11-29f.md): opt-in.
 SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
+# A decoder with nothing to run plans a request's first pass when it hands the request to
+# prefill (Runner.plan_ahead), so the pass only replays its graph when the KV lands.
+# DISAGG_PLAN_AHEAD=0 plans it then, as every other pass.
+PLAN_AHEAD = os.environ.get("DISAGG_PLAN_AHEAD", "1") != "0"
 # A spinning main thread holds the GIL between polls: a thread of the wire that wants it waits
 # for the interpreter's switch interval, 5 ms by default. Spinning servers shorten it.
 SPIN_SWITCH_S = 100e-6
@@ -199,6 +204,7 @@ def settings() -> dict[str, Any]:
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISAGG_")},
         "spin": SPIN,
         "meta_in_stream": META_IN_STREAM,
+        "plan_ahead": PLAN_AHEAD,
         "switch_interval_s": sys.getswitchinterval(),
     }
 
@@ -260,6 +266,7 @@ class Server:
                 error,
                 self.stats.submits,
                 settings(),
+                self.runner.planned_ahead,
             ),
         )
         if self.wire is not None:
@@ -645,6 +652,10 @@ class DecodeServer(GeneratingServer):
             req = msg.request()
             self.requests[req.id], self.outputs[req.id] = req, []
             self.execute(self.messenger.submit(req, 0, self.now()))
+            # its first pass is the next step when nothing else runs, is ready or is inbound
+            alone = not len(self.scheduler) and len(self.messenger.inbound) == 1
+            if PLAN_AHEAD and req.status is Status.RESERVED and alone:
+                self.runner.plan_ahead([self.seq(req)])  # the handoff has left already
         else:
             self.execute(self.messenger.on_message(msg))
 
@@ -678,17 +689,18 @@ class DecodeServer(GeneratingServer):
         self.execute(self.messenger.check_timeouts(self.now()))
         super().tick()
 
+    def seq(self, r: Request) -> Seq:
+        """`r`'s next decode pass: its last token (the prompt's, first) at its last position."""
+        out = self.outputs[r.id]
+        last = out[-1] if out else r.prompt[-1]
+        return Seq.of([last], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id))
+
     def step(self) -> bool:
         batch = self.scheduler.schedule()
         if batch.empty:
             return False
         start = self.now()
-        seqs = []
-        for r in batch.decodes:
-            out = self.outputs[r.id]
-            last = out[-1] if out else r.prompt[-1]
-            seqs.append(Seq.of([last], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id)))
-        res = self.runner.step(seqs, sample=True)
+        res = self.runner.step([self.seq(r) for r in batch.decodes], sample=True)
         assert res.tokens is not None
         for r, tok in zip(batch.decodes, res.tokens, strict=True):
             self.outputs[r.id].append(tok)
