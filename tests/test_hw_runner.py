@@ -124,7 +124,7 @@ def test_plan_ahead_is_a_no_op_without_graphs() -> None:
 
 @gpu
 @pytest.mark.gpu
-def test_a_pass_planned_ahead_only_replays_its_graph_and_gives_the_same_logits() -> None:
+def test_gpu_plan_ahead_only_replays_its_graph_and_gives_the_same_logits() -> None:
     """A step of exactly the batch planned ahead skips planning and matches a runner that
     planned as usual; a plan made for another batch is not used (the step plans its own)."""
     m = Transformer(small_gqa(), seed=4, device="cuda")

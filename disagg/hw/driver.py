@@ -264,6 +264,7 @@ def run_hw(
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
+    summary["passes_planned_ahead"] = sum(r.planned_ahead for r in state.records.values())
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state
