@@ -65,7 +65,7 @@ def main() -> None:
     spec = get_model(args.model)
     model = Transformer(spec, seed=0, device=str(dev))
     page = 16
-    per = pages_for(args.prompt + args.later + 2, page)
+    per = pages_for(args.prompt + 2 * (args.later + 1), page)  # same request: twice decoded
     slots = 4  # requests' page sets, used in turn
     runner = Runner(model, model.new_cache(slots * per, page))
     if dev.type == "cuda":

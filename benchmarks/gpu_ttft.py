@@ -195,8 +195,8 @@ def main() -> None:
         req = req[req.status == "finished"]
         samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
         ttft[label] = {n: _median(v) for n, v in samples[label].items()}
-        passes = first_passes(req, steps).add_prefix("decode pass: ")
-        stages[label] = breakdown(req).join(passes)
+        firsts = first_passes(req, steps).add_prefix("decode pass: ")
+        stages[label] = breakdown(req).join(firsts)
         decode_step[label] = decode_steps(req, steps, prompts)
         print(
             f"{label}: {summary['completed']} requests in {time.perf_counter() - t:.0f} s",

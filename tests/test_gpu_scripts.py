@@ -189,7 +189,7 @@ def test_wire_latency_dry_run_times_posts_whose_immediates_all_land(tmp_path: Pa
 def test_first_pass_dry_run_times_every_condition(tmp_path: Path) -> None:
     """first_pass.py on the CPU: every condition and the later passes have a wall time (the
     graph's parts are n/a without a GPU)."""
-    done = _script("first_pass.py", "--device", "cpu", "--model", "tiny-gqa", "--prompt", "40",
+    done = _script("first_pass.py", "--device", "cpu", "--model", "tiny-gqa", "--prompt", "100",
                    "--idle-s", "0.01", "--repeats", "2", "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ms = json.loads((tmp_path / "first_pass.json").read_text())["ms"]

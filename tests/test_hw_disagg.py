@@ -22,7 +22,9 @@ pytest.importorskip("zmq")
 import torch
 
 from disagg.config import build_experiment
+from disagg.core.request import Request, Status
 from disagg.hw import node
+from disagg.hw.batch import Seq
 from disagg.hw.driver import HwOptions, HwRun, run_hw
 
 
@@ -93,6 +95,34 @@ def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
         assert decoder.idle_wait_s() == (0.0 if spin else want)
 
 
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(
+    plan_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoder plans a request's first pass at handoff only when that pass will be its next
+    step: the request's KV is inbound, and nothing else runs, is ready or is inbound (and not
+    with DISAGG_PLAN_AHEAD=0). The plan is of the step the decoder will run."""
+    monkeypatch.setattr(node, "PLAN_AHEAD", plan_ahead)
+    decoder = object.__new__(node.DecodeServer)
+    planned: list[list[Seq]] = []
+    decoder.runner = SimpleNamespace(plan_ahead=lambda b: planned.append(b) or True)
+    decoder.pool = SimpleNamespace(pages_of=lambda req_id: [4, 9, 2])
+    decoder.outputs = {1: [], 2: []}
+    req = Request(1, 0.0, 40, 8, prompt=tuple(range(40)))
+    req.status = Status.RESERVED
+    for running, inbound, status, want in (
+        ([], {0: "kv"}, Status.RESERVED, True),
+        ([], {0: "kv", 1: "other"}, Status.RESERVED, False),  # another request inbound
+        (["other"], {0: "kv"}, Status.RESERVED, False),  # another request ready or running
+        ([], {}, Status.READY, False),  # a one-token prompt: ready at once, nothing inbound
+    ):
+        decoder.scheduler = running
+        decoder.messenger = SimpleNamespace(inbound=inbound)
+        req.status = status
+        assert decoder.plan_first_pass(req) is (want and plan_ahead)
+    assert planned == ([[Seq((39,), 39, (4, 9, 2))]] if plan_ahead else [])
+
+
 @pytest.mark.parametrize(
     ("layout", "budget", "handoff", "policy", "knobs"),
     [
@@ -138,8 +168,9 @@ def test_disaggregated_equals_colocated(
     for r in state.records.values():  # the knobs reached the spawned servers, and took effect
         assert (r.settings["spin"], r.settings["meta_in_stream"]) == (spin, in_stream)
         assert r.settings["switch_interval_s"] == pytest.approx(1e-4 if spin else 5e-3)
-    assert summary["node_settings"]["prefill0"] == state.records["prefill0"].settings
-    assert summary["passes_planned_ahead"] == 0  # CPU steps run eagerly: no graph to plan for
+    written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
+    assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
+    assert written["node_settings"]["decode0"]["spin"] == spin
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)

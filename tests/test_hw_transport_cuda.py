@@ -179,7 +179,8 @@ def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
     """The stacking planner on CPU tensors: the layers of one allocation stack; a layer out of
     order, other runs, rows that would overlap (within a run or across runs), bytes not in
     16-byte words, or (mapped peer) another allocation or a pitch over the device's limit end
-    the stack; a local peer's scattered runs do not stack, a mapped peer's do."""
+    the stack; a local peer's scattered runs do not stack, a mapped peer's do, unless they
+    would go as a gather (through a view on this GPU, enough runs of whole rows)."""
     wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
     wire.device, wire.gather = torch.device("cuda", 0), True
     monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)

@@ -4,9 +4,10 @@ Every run writes three tables and a summary:
 - requests: one row per request with its timestamps (seconds since the run's start);
 - steps: one row per forward pass, or per run of `steps` identical decode passes
   (a decode node coalesces passes between batch changes; `duration_s` covers them all);
-  `device_s` is the part the GPU spent running the pass (hw on CUDA: events around the
-  forward; NaN on CPU; the simulator models device time only, so there it is `duration_s`),
-  and `duration_s - device_s` the host's overhead (planning, launching, waiting to run);
+  `device_s` runs from the GPU reaching the pass's forward to its end (hw on CUDA: events
+  around the forward, so gaps where the GPU waited for an eager pass's launches count; NaN on
+  CPU; the simulator models device time only, so there it is `duration_s`), and
+  `duration_s - device_s` is host time outside the forward (planning, inputs, sampling);
 - transfers: one row per request transfer (bytes, write operations, first post, last landing).
 Metrics, plots and notebooks read only these, so sim and hw results compare column by column.
 """
@@ -82,7 +83,8 @@ class Recorder:
         device_s: float = math.nan,
     ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
-        decoding sequences, tokens (prefill tokens + decode queries), prefill tokens."""
+        decoding sequences, tokens (prefill tokens + decode queries), prefill tokens;
+        `device_s`: the device's share of `duration_s` (see the module's docstring)."""
         self.steps.append(
             (
                 node,
@@ -110,7 +112,7 @@ class Recorder:
         device_s: float = math.nan,
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
-        tokens into a pass (1 + draft tokens)."""
+        tokens into a pass (1 + draft tokens); `device_s` as in `step`."""
         d, prefill = len(batch.decodes), batch.prefill_tokens
         rows, tokens = len(batch.chunks) + d, prefill + d * decode_qo
         self.step(node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)

@@ -183,18 +183,18 @@ def serve(cfg: NodeConfig) -> None:
 
 # ---- common server ---------------------------------------------------------------------------
 # An idle server sleeps in its poll until a control message or a landing wakes it. With
-# DISAGG_SPIN=1 every server polls without sleeping (one busy core each). On one H200 at 2k
-# prompts it cut decode-first's queue from 1.73 to 1.43 ms, but whole-request TTFT grew by
-# about 1.5 ms (a spinning main thread likely keeps the wire's threads from the GIL), and
-# layer-wise TTFT moved less than the spread between runs (gpu_2026-11-29f.md): opt-in.
+# DISAGG_SPIN=1 every server polls without sleeping (one busy core each). A spinning main
+# thread holds the GIL between polls, so a wire thread that wants it waits for the switch
+# interval (5 ms by default): spinning servers cut it to SPIN_SWITCH_S. Measured on H200s at
+# 2k prompts (gpu_2026-11-29f.md, -g.md): without that cut whole-request TTFT grew by 1.5 ms;
+# with it, decode-first's hop fell from 0.67 to 0.51 ms, but parallel handoff was 0.9 ms
+# worse in the same run. Mixed: opt-in.
 SPIN = os.environ.get("DISAGG_SPIN", "0") != "0"
+SPIN_SWITCH_S = 100e-6
 # A decoder with nothing to run plans a request's first pass when it hands the request to
 # prefill (Runner.plan_ahead), so the pass only replays its graph when the KV lands.
 # DISAGG_PLAN_AHEAD=0 plans it then, as every other pass.
 PLAN_AHEAD = os.environ.get("DISAGG_PLAN_AHEAD", "1") != "0"
-# A spinning main thread holds the GIL between polls: a thread of the wire that wants it waits
-# for the interpreter's switch interval, 5 ms by default. Spinning servers shorten it.
-SPIN_SWITCH_S = 100e-6
 
 
 def settings() -> dict[str, Any]:
@@ -652,10 +652,7 @@ class DecodeServer(GeneratingServer):
             req = msg.request()
             self.requests[req.id], self.outputs[req.id] = req, []
             self.execute(self.messenger.submit(req, 0, self.now()))
-            # its first pass is the next step when nothing else runs, is ready or is inbound
-            alone = not len(self.scheduler) and len(self.messenger.inbound) == 1
-            if PLAN_AHEAD and req.status is Status.RESERVED and alone:
-                self.runner.plan_ahead([self.seq(req)])  # the handoff has left already
+            self.plan_first_pass(req)  # after the handoff has left
         else:
             self.execute(self.messenger.on_message(msg))
 
@@ -688,6 +685,14 @@ class DecodeServer(GeneratingServer):
             self.execute(self.messenger.on_immediates(*unpack_imm(imm)))
         self.execute(self.messenger.check_timeouts(self.now()))
         super().tick()
+
+    def plan_first_pass(self, req: Request) -> bool:
+        """Plan `req`'s first pass now (Runner.plan_ahead) if it will be the next step: its KV
+        is inbound and nothing else runs, is ready or is inbound. True if planned."""
+        alone = not len(self.scheduler) and len(self.messenger.inbound) == 1
+        if PLAN_AHEAD and req.status is Status.RESERVED and alone:
+            return self.runner.plan_ahead([self.seq(req)])
+        return False
 
     def seq(self, r: Request) -> Seq:
         """`r`'s next decode pass: its last token (the prompt's, first) at its last position."""

@@ -228,6 +228,7 @@ class Runner:
     @contextlib.contextmanager
     def _timing(self) -> Iterator[None]:
         """Events around the forward on CUDA (its inputs are staged before it): `device_s`."""
+        self._timed = None  # a forward that raises leaves no timing of an earlier step
         if self.device.type != "cuda":
             yield
             return
