@@ -43,6 +43,7 @@ SUMMARY_ROWS = [
     ("transfer_s_p50", "transfer time p50 (ms)", 1e3),
     ("nic_bytes_max", "busiest NIC: GB sent", 1e-9),
     ("nic_busy_max", "busiest NIC: busy", 1),
+    ("host_share_of_pass_time", "passes: host share of wall time", 1),
     ("completed", "completed", 1),
     ("failed", "failed", 1),
     ("gpus", "GPUs", 1),

@@ -373,7 +373,11 @@ def gpu_equals_colocated(
         assert summary["completed"] == 5
         out[mode] = state.finished
         if mode == "disagg":  # an idle decoder plans a request's first pass while KV is inbound
-            assert summary["passes_planned_ahead"] == state.records["decode0"].planned_ahead >= 1
+            counters = state.records["decode0"].counters
+            assert summary["passes_planned_ahead"] == counters["passes_planned_ahead"] >= 1
+        # every decode graph was captured at start: no step paid for a capture
+        assert summary["graphs_captured_on_demand"] == 0
+        assert 0 < summary["host_share_of_pass_time"] < 1
         # every pass's device time is measured, and is part of its wall time
         steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
         assert (steps.device_s > 0).all()

@@ -12,9 +12,9 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 
 import torch
 
-from disagg.hw.batch import Seq
+from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.model import Transformer
-from disagg.hw.runner import LayerCounter, LayerWatcher, Runner
+from disagg.hw.runner import GRAPH_BATCHES, LayerCounter, LayerWatcher, Runner
 from disagg.hw.specs import small_gqa, small_mla, tiny_gqa, tiny_mla
 
 PROMPTS = [[5, 9, 2, 7, 7, 1, 30, 4, 8], [11, 3, 6], [40, 41, 42, 43, 44, 45, 46]]
@@ -140,3 +140,32 @@ def test_gpu_plan_ahead_only_replays_its_graph_and_gives_the_same_logits() -> No
     other = [Seq.of([9], len(prompt) + 1, _pages(0))]  # ... token 9 run
     torch.testing.assert_close(a.step(other).logits, b.step(other).logits, atol=0, rtol=0)
     assert a.planned_ahead == 1
+
+
+def test_graphs_are_captured_up_to_the_batch_limit_and_later_captures_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server captures every graph its decode steps can replay, from batch 1 to the first
+    size that holds its batch limit; a graph a step still has to capture is counted (the
+    servers report it: a step that paid for a capture)."""
+    m = Transformer(tiny_gqa(), seed=0)
+    runner = Runner(m, m.new_cache(8, PAGE))
+    runner.graph_batches = list(GRAPH_BATCHES)  # as on a GPU; captures recorded, not made
+    captured: list[int] = []
+
+    def fake(batch: int) -> object:
+        captured.append(batch)
+        return runner._graphs.setdefault(batch, object())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "_graph", fake)
+    for limit, want in ((1, [1]), (8, [1, 2, 4, 8]), (10, [1, 2, 4, 8, 16]), (500, GRAPH_BATCHES)):
+        captured.clear()
+        runner.capture_up_to(limit)
+        assert sorted(captured) == list(want)
+    assert runner.captured_on_demand == 0
+    runner._graphs = {1: object()}  # type: ignore[dict-item]
+    one, three = ([Seq.of([5], 3, (0,))] * n for n in (1, 3))
+    runner._graph_for(BatchMeta.of(one, PAGE, 8))
+    assert runner.captured_on_demand == 0  # captured already
+    runner._graph_for(BatchMeta.of(three, PAGE, 8))
+    assert runner.captured_on_demand == 1 and 4 in runner._graphs  # a step would pay for it

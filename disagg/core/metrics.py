@@ -193,6 +193,17 @@ def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
     }
 
 
+def host_share(steps: pd.DataFrame) -> float:
+    """The fraction of the passes' wall time spent outside their device span (planning, inputs,
+    sampling, the server's loop), over the passes whose device time was measured; NaN when
+    none was (CPU runs, or tables from before `device_s`)."""
+    if "device_s" not in steps:
+        return math.nan
+    timed = steps[steps.device_s.notna()]
+    wall = float(timed.duration_s.sum())
+    return 1 - float(timed.device_s.sum()) / wall if wall > 0 else math.nan
+
+
 def summarize(
     requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFrame, gpus: int, wall_s: float
 ) -> dict[str, Any]:

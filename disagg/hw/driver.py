@@ -22,6 +22,7 @@ import numpy as np
 from disagg.config import Experiment
 from disagg.core.metrics import (
     Recorder,
+    host_share,
     requests_table,
     steps_table,
     summarize,
@@ -264,7 +265,9 @@ def run_hw(
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
-    summary["passes_planned_ahead"] = sum(r.planned_ahead for r in state.records.values())
+    for key in ("passes_planned_ahead", "graphs_captured_on_demand"):
+        summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
+    summary["host_share_of_pass_time"] = host_share(steps)
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state

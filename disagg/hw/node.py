@@ -135,7 +135,9 @@ class Records:
     error: str = ""
     submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
     settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
-    planned_ahead: int = 0  # decode passes whose plan was made while their KV was inbound
+    # passes_planned_ahead: decode passes planned while their KV was inbound;
+    # graphs_captured_on_demand: decode graphs captured by a step, not at start
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,10 @@ class Server:
                 error,
                 self.stats.submits,
                 settings(),
-                self.runner.planned_ahead,
+                {
+                    "passes_planned_ahead": self.runner.planned_ahead,
+                    "graphs_captured_on_demand": self.runner.captured_on_demand,
+                },
             ),
         )
         if self.wire is not None:
@@ -631,6 +636,7 @@ class DecodeServer(GeneratingServer):
             handoff=t.handoff,
         )
         self.scheduler = DecodeScheduler(group.max_batch)
+        self.runner.capture_up_to(group.max_batch)
         self.requests: dict[int, Request] = {}
         self.slots: dict[int, int] = {}
 
@@ -730,6 +736,7 @@ class ColocatedServer(GeneratingServer):
         super().__init__(cfg, control)
         g = self.exp.cluster.colocated
         self.scheduler = ColocatedScheduler(self.pool, g.token_budget, g.max_batch)
+        self.runner.capture_up_to(g.max_batch)
 
     def announce(self) -> None:  # no wire: nothing crosses a network
         self.control.send("driver", NodeUp(self.cfg.name, self.control.endpoint, {}, ()))
