@@ -375,8 +375,11 @@ def gpu_equals_colocated(
         if mode == "disagg":  # an idle decoder plans a request's first pass while KV is inbound
             counters = state.records["decode0"].counters
             assert summary["passes_planned_ahead"] == counters["passes_planned_ahead"] >= 1
-        # every decode graph was captured at start: no step paid for a capture
+        # every decode graph was captured at start (none failed): no step paid for a capture
         assert summary["graphs_captured_on_demand"] == 0
+        for name, r in state.records.items():
+            assert r.settings["graph_error"] == ""
+            assert bool(r.settings["cuda_graphs"]) is not name.startswith("prefill")
         assert 0 < summary["host_share_of_pass_time"] < 1
         # every pass's device time is measured, and is part of its wall time
         steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
@@ -486,3 +489,32 @@ def test_prefill_server_recomputes_an_evicted_early_start() -> None:
     finally:
         server.watcher.stop()
         server.control.close()
+
+
+def test_servers_that_decode_capture_their_graphs_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode and colocated servers capture the graphs up to their own group's batch limit
+    when they are built (before they report ready); a prefill server captures none."""
+    from disagg.hw.node import ColocatedServer, DecodeServer, NodeConfig, PrefillServer
+    from disagg.hw.runner import Runner
+
+    calls: list[int] = []
+    monkeypatch.setattr(Runner, "capture_up_to", lambda self, limit: calls.append(limit))
+    captured = {}
+    for role, mode, cls in (
+        ("decode", "disagg", DecodeServer),
+        ("colocated", "colocated", ColocatedServer),
+        ("prefill", "disagg", PrefillServer),
+    ):
+        data = experiment("tiny-gqa", mode, "HND", 64)
+        data["cluster"]["decode"]["max_batch"] = 6
+        data["cluster"]["colocated"]["max_batch"] = 3
+        exp = build_experiment(data).model_dump(mode="json")
+        calls.clear()
+        server = cls(NodeConfig(role, 0, exp, "cpu", "tcp", 16, "tcp://127.0.0.1:1"))
+        captured[role] = list(calls)
+        if isinstance(server, PrefillServer):
+            server.watcher.stop()
+        server.control.close()
+    assert captured == {"decode": [6], "colocated": [3], "prefill": []}

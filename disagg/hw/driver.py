@@ -267,7 +267,8 @@ def run_hw(
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     for key in ("passes_planned_ahead", "graphs_captured_on_demand"):
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
-    summary["host_share_of_pass_time"] = host_share(steps)
+    summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
+    summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state

@@ -39,7 +39,7 @@ from disagg.hw.batch import Seq
 from disagg.hw.control import Control, register
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
-from disagg.hw.runner import LayerWatcher, Runner
+from disagg.hw.runner import GRAPH_BATCHES, LayerWatcher, Runner
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Descriptor, Transport, Unit, Write, WriteArray, total_bytes
 
@@ -136,7 +136,8 @@ class Records:
     submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
     settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
     # passes_planned_ahead: decode passes planned while their KV was inbound;
-    # graphs_captured_on_demand: decode graphs captured by a step, not at start
+    # graphs_captured_on_demand: decode graphs captured when first needed (by a step or a plan
+    # ahead), not at start
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -240,7 +241,10 @@ class Server:
         kv = self.exp.kv
         self.cache = self.model.new_cache(cfg.num_pages, kv.page_size, kv.layout)
         self.pool = PagePool(cfg.num_pages, kv.page_size, cfg.name)
-        self.runner = Runner(self.model, self.cache, attention=cfg.attention)
+        # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
+        # replay, and first capture, a decode graph); the others capture theirs at start
+        graphs = () if self.role == "prefill" else GRAPH_BATCHES
+        self.runner = Runner(self.model, self.cache, attention=cfg.attention, graph_batches=graphs)
         self.stats = _Stats()
         self.t0 = time.time()
         self.running = True
@@ -267,7 +271,8 @@ class Server:
                 tuple(tuple(v) for v in self.stats.transfers.values()),
                 error,
                 self.stats.submits,
-                settings(),
+                settings()
+                | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error},
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,

@@ -205,10 +205,16 @@ class Runner:
         for b in sorted(batches or self.graph_batches, reverse=True):
             self._graph(b)
 
+    @property
+    def captured(self) -> list[int]:
+        """The batch sizes whose decode graphs are captured."""
+        return sorted(self._graphs)
+
     def capture_up_to(self, max_batch: int) -> None:
         """Capture every graph a decode step of at most `max_batch` sequences replays, so that
-        no step pays a capture (a quarter second for Llama-8B on an H200) when a batch size
-        first occurs. Nothing where steps run eagerly."""
+        no step pays a capture when a batch size first occurs (for Llama-8B on an H200 the
+        first capture took 245-359 ms inside a step, later ones 40-100 ms). Nothing where
+        steps run eagerly."""
         sizes = [b for b in self.graph_batches if b < max_batch]
         sizes += [b for b in self.graph_batches if b >= max_batch][:1]
         if sizes:
