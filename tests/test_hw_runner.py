@@ -12,6 +12,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 
 import torch
 
+from disagg.hw import runner as runner_mod
 from disagg.hw.batch import BatchMeta, Seq
 from disagg.hw.model import Transformer
 from disagg.hw.runner import GRAPH_BATCHES, LayerCounter, LayerWatcher, Runner
@@ -153,15 +154,16 @@ def test_graphs_are_captured_up_to_the_batch_limit_and_later_captures_counted(
     runner.graph_batches = list(GRAPH_BATCHES)  # as on a GPU; captures recorded, not made
     captured: list[int] = []
 
-    def fake(batch: int) -> object:
+    def fake(_: Runner, batch: int) -> object:
         captured.append(batch)
-        return runner._graphs.setdefault(batch, object())  # type: ignore[arg-type]
+        return object()
 
-    monkeypatch.setattr(runner, "_graph", fake)
+    monkeypatch.setattr(runner_mod, "_DecodeGraph", fake)
     for limit, want in ((1, [1]), (8, [1, 2, 4, 8]), (10, [1, 2, 4, 8, 16]), (500, GRAPH_BATCHES)):
         captured.clear()
+        runner._graphs.clear()
         runner.capture_up_to(limit)
-        assert sorted(captured) == list(want)
+        assert sorted(captured) == list(want) == runner.captured
     assert runner.captured_on_demand == 0
     runner._graphs = {1: object()}  # type: ignore[dict-item]
     one, three = ([Seq.of([5], 3, (0,))] * n for n in (1, 3))

@@ -220,8 +220,11 @@ class Runner:
         if sizes:
             self.capture(sizes)
 
-    def _graph(self, batch: int) -> _DecodeGraph | None:
+    def _graph(self, batch: int, on_demand: bool = False) -> _DecodeGraph | None:
+        """The graph for `batch`, captured now if need be (`on_demand`: by a step or a plan
+        ahead, which `captured_on_demand` counts)."""
         if batch not in self._graphs and not self.graph_error:
+            self.captured_on_demand += on_demand
             try:
                 with on_device(self.device):  # capture on this device's streams
                     self._graphs[batch] = _DecodeGraph(self, batch)
@@ -234,11 +237,7 @@ class Runner:
         if not meta.is_decode:
             return None
         fits = [b for b in self.graph_batches if b >= meta.batch]
-        if not fits:
-            return None
-        if fits[0] not in self._graphs and not self.graph_error:
-            self.captured_on_demand += 1
-        return self._graph(fits[0])
+        return self._graph(fits[0], on_demand=True) if fits else None
 
     def _mark_staged(self) -> None:
         if self.device.type == "cuda":

@@ -128,25 +128,25 @@ class ReceiverProcess:
         self.proc.join(10)
 
 
-def wait_completions(wire: Transport, n: int, timeout_s: float = 20) -> list[Completion]:
-    """Poll `wire` until `n` completions arrived or `timeout_s` passed; returns them."""
+def wait_completions(
+    wire: Transport, n: int, timeout_s: float = 20, poll_s: float = 1e-4
+) -> list[Completion]:
+    """Poll `wire` every `poll_s` (a sleep, which lets the wire's threads take the GIL) until
+    `n` completions arrived or `timeout_s` passed; returns them."""
     done: list[Completion] = []
     deadline = time.monotonic() + timeout_s
     while len(done) < n and time.monotonic() < deadline:
         done += wire.poll().completions
-        time.sleep(1e-4)
+        time.sleep(poll_s)
     return done
 
 
 def await_completion(wire: Transport, wr_id: int, timeout_s: float = 20) -> None:
-    """Until batch `wr_id` completes, polling every 10 us (fine enough to time a post end to
-    end); RuntimeError if it failed, TimeoutError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in wire.poll().completions:
-            if c.wr_id == wr_id:
-                if not c.ok:
-                    raise RuntimeError(c.error)
-                return
-        time.sleep(1e-5)  # lets the wire's threads take the GIL
-    raise TimeoutError(f"batch {wr_id} did not complete in {timeout_s} s")
+    """Until batch `wr_id`, the only one in flight, completes, polling every 10 us (fine
+    enough to time a post end to end); RuntimeError if it failed (or another completed),
+    TimeoutError after `timeout_s`."""
+    done = wait_completions(wire, 1, timeout_s, poll_s=1e-5)
+    if not done:
+        raise TimeoutError(f"batch {wr_id} did not complete in {timeout_s} s")
+    if done != [Completion(wr_id, True)]:
+        raise RuntimeError(f"waiting for batch {wr_id}: {done}")
