@@ -189,6 +189,17 @@ def test_disaggregated_equals_colocated(
     assert (req.first_token_s >= req.ready_s).all()
     steps = pd.read_parquet(tmp_path / "disagg" / "steps.parquet")
     assert len(steps) > 0 and steps.device_s.isna().all()  # a CPU pass is all host time
+    # each request's control hops, in causal order on the run's one clock
+    hops = pd.read_parquet(tmp_path / "disagg" / "hops.parquet")
+    t = hops.groupby(["request_id", "node", "event"]).t_s.min().unstack(["node", "event"])
+    assert sorted(t.index) == sorted(reference) and not t.isna().any().any()
+    sent, at_decoder = t["driver", "sent"], t["decode0", "received"]
+    handed, at_prefill = t["decode0", "handed_off"], t["prefill0", "received"]
+    assert (sent <= at_decoder).all() and (at_decoder <= handed).all()
+    assert (handed <= t["prefill0", "pages"]).all()
+    assert ((sent if handoff == "parallel" else handed) <= at_prefill).all()
+    start = req.set_index("request_id").prefill_start_s.loc[t.index]
+    assert (at_prefill <= start).all()
 
 
 def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path) -> None:

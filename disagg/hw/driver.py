@@ -3,8 +3,9 @@
 The driver spawns one process per server (or waits for servers started elsewhere with
 `disagg hw serve`), introduces them to each other, replays the experiment's arrivals against
 the wall clock, and gathers what each request finished with. It writes the same requests,
-steps and transfers tables and summary as `disagg sim run`. Every child is stopped on the way
-out, Ctrl-C included; a server that dies is an error naming it.
+steps and transfers tables and summary as `disagg sim run`, and one table of its own: `hops`,
+when each request's control messages left and arrived (Server.mark). Every child is stopped
+on the way out, Ctrl-C included; a server that dies is an error naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from disagg.config import Experiment
 from disagg.core.metrics import (
@@ -67,6 +69,7 @@ class HwRun:
     requests: dict[int, Request] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
     records: dict[str, Records] = field(default_factory=dict)
+    sent: list[tuple[int, str, str, float]] = field(default_factory=list)  # the driver's hops
 
 
 def node_configs(exp: Experiment, opts: HwOptions, driver: str) -> list[NodeConfig]:
@@ -192,6 +195,7 @@ class Driver:
                     prefill_node=0,
                     decode_node=0,
                 )
+                state.sent.append((a.request_id, "driver", "sent", time.time() - t0))  # before
                 self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
             # wake for the next arrival on time (recv sleeps below a millisecond)
             self._receive(min(0.001, max(0.0, pending[0][0].arrival_s - now)) if pending else 0.05)
@@ -270,8 +274,25 @@ def run_hw(
     summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
     summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}
     write_results(out, req, steps, xfers, summary)
+    hops_table(state).to_parquet(out / "hops.parquet", index=False)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state
+
+
+HOP_COLUMNS = ["request_id", "node", "event", "t_s"]
+
+
+def hops_table(state: HwRun) -> pd.DataFrame:
+    """Each request's control-plane stamps, in time order: the driver's `sent`, then each
+    node's `received`, `handed_off` (decoder to prefill) and `pages` (at a prefill node).
+    Sends are stamped just before they leave, so a send precedes its arrival. All processes
+    of one host share the run's clock (time since the driver's start); across hosts the
+    stamps are only as close as the hosts' clocks."""
+    rows = list(state.sent)
+    for records in state.records.values():
+        rows.extend(tuple(h) for h in records.hops)
+    hops = pd.DataFrame(rows, columns=HOP_COLUMNS)
+    return hops.sort_values(["t_s", "request_id"], kind="stable").reset_index(drop=True)
 
 
 def tables(state: HwRun) -> tuple[Any, Any, Any]:

@@ -139,6 +139,7 @@ class Records:
     # graphs_captured_on_demand: decode graphs captured when first needed (by a step or a plan
     # ahead), not at start
     counters: dict[str, int] = field(default_factory=dict)
+    hops: tuple[tuple[Any, ...], ...] = ()  # request_id, node, event, t_s: see Server.mark
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ class _Stats:
     steps: Recorder = field(default_factory=Recorder)  # its steps rows only
     transfers: dict[int, list[Any]] = field(default_factory=dict)
     submits: int = 0
+    hops: list[tuple[int, str, str, float]] = field(default_factory=list)
 
 
 class Server:
@@ -277,6 +279,7 @@ class Server:
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
                 },
+                tuple(self.stats.hops),
             ),
         )
         if self.wire is not None:
@@ -326,6 +329,12 @@ class Server:
 
     def now(self) -> float:
         return time.time() - self.t0
+
+    def mark(self, req_id: int, event: str) -> None:
+        """Stamp a request's control-plane event on this node (the run's hops table):
+        `received` (the request reached this node), `handed_off` (a decoder is about to send
+        it to prefill), `pages` (a prefill node got the decoder's pages)."""
+        self.stats.hops.append((req_id, self.cfg.name, event, self.now()))
 
     def tick(self) -> None:
         """One turn of the main loop: messages, wire events, then at most one forward pass."""
@@ -440,11 +449,15 @@ class PrefillServer(Server):
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):  # parallel handoff: straight from the driver
+            self.mark(msg.req_id, "received")
             self.prompts[msg.req_id] = msg.prompt
             self.execute(self.messenger.submit(msg.req_id, len(msg.prompt), decode_node=0))
             return
-        if isinstance(msg, m.PrefillRequest) and msg.prompt:
-            self.prompts[msg.req_id] = msg.prompt
+        if isinstance(msg, m.PrefillRequest):
+            if msg.prompt:
+                self.mark(msg.req_id, "received")
+                self.prompts[msg.req_id] = msg.prompt
+            self.mark(msg.req_id, "pages")
         self.execute(self.messenger.on_message(msg))
 
     def on_dead(self, peer: str) -> None:
@@ -660,6 +673,7 @@ class DecodeServer(GeneratingServer):
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
+            self.mark(msg.req_id, "received")
             req = msg.request()
             self.requests[req.id], self.outputs[req.id] = req, []
             self.execute(self.messenger.submit(req, 0, self.now()))
@@ -677,6 +691,7 @@ class DecodeServer(GeneratingServer):
             if isinstance(cmd, m.Send):
                 if isinstance(cmd.msg, m.PrefillRequest):
                     self.slots[cmd.msg.req_id] = cmd.msg.slot
+                    self.mark(cmd.msg.req_id, "handed_off")  # before it leaves: causal order
                 self.control.send(f"prefill{cmd.node}", cmd.msg)
             elif isinstance(cmd, m.Ready):
                 req = self.requests[cmd.req_id]
@@ -748,6 +763,7 @@ class ColocatedServer(GeneratingServer):
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
+            self.mark(msg.req_id, "received")
             req = msg.request()
             self.outputs[req.id] = []
             self.scheduler.add(req)
