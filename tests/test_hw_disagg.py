@@ -9,6 +9,8 @@ and the greedy tokens exactly.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +25,7 @@ import torch
 
 from disagg.config import build_experiment
 from disagg.core.request import Request, Status
+from disagg.errors import ConfigError
 from disagg.hw import node
 from disagg.hw.batch import Seq
 from disagg.hw.driver import HwOptions, HwRun, run_hw
@@ -95,6 +98,26 @@ def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
         assert decoder.idle_wait_s() == (0.0 if spin else want)
 
 
+def test_cpu_latency_is_held_when_asked_and_a_refusal_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DISAGG_CPU_LATENCY_US writes its microseconds as one int32 to the PM QoS file and
+    keeps it open; a host without it (or without the right) is told, and the server runs on."""
+    qos = tmp_path / "qos"
+    qos.write_bytes(b"")
+    assert node.hold_cpu_latency(25, str(qos)) == "25 us"
+    assert struct.unpack("i", qos.read_bytes()) == (25,)
+    missing = tmp_path / "none"
+    said = node.hold_cpu_latency(0, str(missing))
+    assert said == f"refused: {missing}: No such file or directory"
+    assert said in capsys.readouterr().err
+    monkeypatch.setenv("DISAGG_CPU_LATENCY_US", "fast")
+    with pytest.raises(ConfigError, match="DISAGG_CPU_LATENCY_US='fast'"):
+        node._cpu_latency_us()
+    monkeypatch.setenv("DISAGG_CPU_LATENCY_US", " 0 ")
+    assert node._cpu_latency_us() == 0
+
+
 @pytest.mark.parametrize("plan_ahead", [True, False])
 def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(
     plan_ahead: bool, monkeypatch: pytest.MonkeyPatch
@@ -129,7 +152,7 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(
         ("HND", 8, "decode-first", "layerwise", ""),
         ("NHD", 1000, "decode-first", "layerwise", ""),
         ("HND", 8, "parallel", "layerwise", ""),
-        ("HND", 8, "decode-first", "layerwise", "DISAGG_SPIN"),
+        ("HND", 8, "decode-first", "layerwise", "DISAGG_SPIN DISAGG_CPU_LATENCY_US"),
         ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM"),
     ],
     ids=[
@@ -160,6 +183,9 @@ def test_disaggregated_equals_colocated(
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     data["transfer"]["policy"] = policy
+    qos = "/dev/cpu_dma_latency"  # the servers may hold it only where this process could
+    held_here = "1 us" if os.access(qos, os.W_OK) else f"refused: {qos}: "
+
     summary, state = run(tmp_path, "disagg", data)
     finished = state.finished
     submits = {name: r.submits for name, r in state.records.items()}
@@ -168,6 +194,8 @@ def test_disaggregated_equals_colocated(
     for r in state.records.values():  # the knobs reached the spawned servers, and took effect
         assert (r.settings["spin"], r.settings["meta_in_stream"]) == (spin, in_stream)
         assert r.settings["switch_interval_s"] == pytest.approx(1e-4 if spin else 5e-3)
+        held = r.settings["cpu_latency"]  # asked for 1 us; a host may refuse (not as root)
+        assert held == "not asked" if not spin else held.startswith(held_here)
     written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
     assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
     assert written["node_settings"]["decode0"]["spin"] == spin

@@ -18,6 +18,7 @@ import collections
 import math
 import os
 import queue
+import struct
 import sys
 import time
 import traceback
@@ -34,7 +35,7 @@ from disagg.core.metrics import Recorder
 from disagg.core.request import Request, Status
 from disagg.core.scheduler import Batch, ColocatedScheduler, DecodeScheduler, PrefillScheduler
 from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
-from disagg.errors import DisaggError
+from disagg.errors import ConfigError, DisaggError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control, register
 from disagg.hw.device import resolve_device
@@ -176,6 +177,8 @@ def serve(cfg: NodeConfig) -> None:
     control.connect("driver", cfg.driver)
     if SPIN:
         sys.setswitchinterval(SPIN_SWITCH_S)
+    if CPU_LATENCY_US is not None:
+        hold_cpu_latency(CPU_LATENCY_US)
     try:
         server = kinds[cfg.role](cfg, control)
     except DisaggError as e:
@@ -201,6 +204,43 @@ SPIN_SWITCH_S = 100e-6
 PLAN_AHEAD = os.environ.get("DISAGG_PLAN_AHEAD", "1") != "0"
 
 
+# Each control message wakes a sleeping thread on both sides (ZeroMQ's I/O threads, and the
+# receiving loop): on an idle host every wake-up may first bring a core out of a deep idle
+# state. DISAGG_CPU_LATENCY_US=N asks the kernel (PM QoS, /dev/cpu_dma_latency) to keep the
+# host's cores out of idle states slower than N us to leave, while the servers live.
+def _cpu_latency_us() -> int | None:
+    value = os.environ.get("DISAGG_CPU_LATENCY_US", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"DISAGG_CPU_LATENCY_US={value!r}: want whole microseconds, e.g. 0")
+    return int(value)
+
+
+CPU_LATENCY_US = _cpu_latency_us()
+_cpu_latency = {"held": "not asked"}
+
+
+def hold_cpu_latency(us: int, path: str = "/dev/cpu_dma_latency") -> str:
+    """Hold a PM QoS request for a CPU wake-up latency of at most `us` microseconds, for as
+    long as this process lives (closing the file would end it); what happened, in words (also
+    in this server's settings). A host that refuses it is told on stderr, not an error: the
+    run is only slower to wake."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, struct.pack("i", us))
+        except OSError:
+            os.close(fd)
+            raise
+    except OSError as e:
+        _cpu_latency["held"] = f"refused: {path}: {e.strerror}"
+        print(f"DISAGG_CPU_LATENCY_US={us}: {_cpu_latency['held']}", file=sys.stderr)
+    else:
+        _cpu_latency["held"] = f"{us} us"  # the descriptor stays open until the process exits
+    return _cpu_latency["held"]
+
+
 def settings() -> dict[str, Any]:
     """The latency settings this process runs with, for its records (the DISAGG_* variables
     it was started with, and what they turned on)."""
@@ -209,6 +249,7 @@ def settings() -> dict[str, Any]:
         "spin": SPIN,
         "meta_in_stream": META_IN_STREAM,
         "plan_ahead": PLAN_AHEAD,
+        "cpu_latency": _cpu_latency["held"],
         "switch_interval_s": sys.getswitchinterval(),
     }
 
