@@ -103,6 +103,7 @@ def test_cpu_latency_is_held_when_asked_and_a_refusal_is_said(
 ) -> None:
     """DISAGG_CPU_LATENCY_US writes its microseconds as one int32 to the PM QoS file and
     keeps it open; a host without it (or without the right) is told, and the server runs on."""
+    monkeypatch.setitem(node._cpu_latency, "held", "not asked")  # this process's, restored after
     qos = tmp_path / "qos"
     qos.write_bytes(b"")
     assert node.hold_cpu_latency(25, str(qos)) == "25 us"
@@ -185,7 +186,6 @@ def test_disaggregated_equals_colocated(
     data["transfer"]["policy"] = policy
     qos = "/dev/cpu_dma_latency"  # the servers may hold it only where this process could
     held_here = "1 us" if os.access(qos, os.W_OK) else f"refused: {qos}: "
-
     summary, state = run(tmp_path, "disagg", data)
     finished = state.finished
     submits = {name: r.submits for name, r in state.records.items()}
