@@ -35,7 +35,7 @@ import pandas as pd
 from disagg.config import build_experiment
 from disagg.core.metrics import read_results
 from disagg.hw.device import copy_seconds, resolve_device
-from disagg.hw.driver import HwOptions, run_hw
+from disagg.hw.driver import HwOptions, queue_parts, run_hw
 from disagg.models import get_model
 
 REPEATS = int(os.environ.get("DISAGG_REPEATS", "3"))
@@ -67,36 +67,6 @@ def breakdown(req: pd.DataFrame) -> pd.DataFrame:
     ms["start to ready"] = 1e3 * (req.ready_s - req.prefill_start_s)
     ms["ttft"] = 1e3 * req.ttft_s
     return ms.groupby(req.prompt_tokens).median().round(2)
-
-
-def queue_parts(req: pd.DataFrame, hops: pd.DataFrame, via_decoder: bool) -> pd.DataFrame:
-    """Median ms of the queue's parts by prompt length, from the run's hops table: the driver's
-    lateness (arrival to sent), the hop to the node the request enters (decoder or
-    colocated), the decoder's handling until it hands the request on, the hop to the prefill
-    node (from the decoder under decode-first handoff, else from the driver), and the wait
-    there until the request's first pass starts. NaN where a run has no such part."""
-    role = hops.node.str.rstrip("0123456789")
-    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min()
-    t = t.unstack(["role", "event"])
-
-    def at(key: tuple[str, str]) -> pd.Series:
-        return t[key] if key in t else pd.Series(math.nan, index=t.index)
-
-    sent, handed = at(("driver", "sent")), at(("decode", "handed_off"))
-    entry = at(("decode", "received")).fillna(at(("colocated", "received")))
-    at_prefill = at(("prefill", "received"))
-    r = req.set_index("request_id").reindex(t.index)
-    ms = 1e3 * pd.DataFrame(
-        {
-            "late": sent - r.arrival_s,
-            "to entry": entry - sent,
-            "at decoder": handed - entry,
-            "to prefill": at_prefill - (handed if via_decoder else sent),
-            "prefill wait": r.prefill_start_s - at_prefill.fillna(entry),
-        }
-    )
-    ms = ms.add_prefix("queue: ").loc[t.index.isin(req.request_id)]
-    return ms.groupby(r.prompt_tokens).median().round(3)
 
 
 def decode_steps(req: pd.DataFrame, steps: pd.DataFrame, prompts: list[int]) -> dict[int, float]:
@@ -227,7 +197,12 @@ def main() -> None:
         samples[label] = {n: req[req.prompt_tokens == n].ttft_s.to_numpy() for n in prompts}
         ttft[label] = {n: _median(v) for n, v in samples[label].items()}
         firsts = first_passes(req, steps).add_prefix("decode pass: ")
-        parts = queue_parts(req, hops, via_decoder=mode == "disagg" and handoff != "parallel")
+        parts = (
+            (1e3 * queue_parts(req, hops, handoff == "parallel"))
+            .add_prefix("queue: ")
+            .join(req.set_index("request_id").prompt_tokens)
+        )
+        parts = parts.groupby("prompt_tokens").median().round(3)
         stages[label] = breakdown(req).join(firsts).join(parts)
         decode_step[label] = decode_steps(req, steps, prompts)
         print(

@@ -28,7 +28,7 @@ from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
 from disagg.hw import node
 from disagg.hw.batch import Seq
-from disagg.hw.driver import HwOptions, HwRun, run_hw
+from disagg.hw.driver import HwOptions, HwRun, queue_parts, run_hw
 
 
 def experiment(
@@ -228,6 +228,17 @@ def test_disaggregated_equals_colocated(
     assert ((sent if handoff == "parallel" else handed) <= at_prefill).all()
     start = req.set_index("request_id").prefill_start_s.loc[t.index]
     assert (at_prefill <= start).all()
+    # the queue's parts add up to each request's queue, along the path its handoff takes
+    parts = queue_parts(req, hops, handoff == "parallel")
+    path = ["late", "to_prefill", "prefill_wait"]
+    if handoff != "parallel":
+        path[1:1] = ["to_entry", "at_decoder"]
+    arrival = req.set_index("request_id").arrival_s.loc[t.index]
+    np.testing.assert_allclose(parts[path].sum(axis=1), start - arrival, atol=1e-9)
+    assert (parts[path] >= 0).all().all() and (parts.to_prefill > 0).all()
+    medians = summary["queue_parts_ms"]
+    assert sorted(medians) == sorted(parts.columns)  # all five: the decoder's hop is in both
+    assert medians["to_prefill"] == pytest.approx(1e3 * parts.to_prefill.median())
 
 
 def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path) -> None:

@@ -273,8 +273,12 @@ def run_hw(
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
     summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
     summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}
+    hops = hops_table(state)
+    parts = queue_parts(req, hops, exp.transfer.handoff == "parallel").median()
+    # medians over the requests, of the parts this run has (hops.parquet has every request's)
+    summary["queue_parts_ms"] = {k: 1e3 * float(v) for k, v in parts.dropna().items()}
     write_results(out, req, steps, xfers, summary)
-    hops_table(state).to_parquet(out / "hops.parquet", index=False)
+    hops.to_parquet(out / "hops.parquet", index=False)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
     return summary, state
 
@@ -293,6 +297,35 @@ def hops_table(state: HwRun) -> pd.DataFrame:
         rows.extend(tuple(h) for h in records.hops)
     hops = pd.DataFrame(rows, columns=HOP_COLUMNS)
     return hops.sort_values(["t_s", "request_id"], kind="stable").reset_index(drop=True)
+
+
+def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> pd.DataFrame:
+    """Each request's queue (arrival to its first prefill pass) split by its hops, in
+    seconds, indexed by request id: the driver's lateness (`late`: arrival to sent), the hop to
+    the node the request enters (`to_entry`: the decoder, or the colocated server), the
+    decoder's handling until it hands the request on (`at_decoder`), the hop to the prefill
+    node (`to_prefill`: from the decoder, or from the driver under `parallel` handoff), and
+    the wait there until the pass (`prefill_wait`). NaN where a run has no such part."""
+    role = hops.node.str.rstrip("0123456789")
+    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min()
+    t = t.unstack(["role", "event"])
+
+    def at(key: tuple[str, str]) -> pd.Series:
+        return t[key] if key in t else pd.Series(math.nan, index=t.index)
+
+    sent, handed = at(("driver", "sent")), at(("decode", "handed_off"))
+    entry = at(("decode", "received")).fillna(at(("colocated", "received")))
+    at_prefill = at(("prefill", "received"))
+    r = requests.set_index("request_id").reindex(t.index)
+    return pd.DataFrame(
+        {
+            "late": sent - r.arrival_s,
+            "to_entry": entry - sent,
+            "at_decoder": handed - entry,
+            "to_prefill": at_prefill - (sent if parallel else handed),
+            "prefill_wait": r.prefill_start_s - at_prefill.fillna(entry),
+        }
+    )
 
 
 def tables(state: HwRun) -> tuple[Any, Any, Any]:
