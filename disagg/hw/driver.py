@@ -307,8 +307,7 @@ def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> p
     node (`to_prefill`: from the decoder, or from the driver under `parallel` handoff), and
     the wait there until the pass (`prefill_wait`). NaN where a run has no such part."""
     role = hops.node.str.rstrip("0123456789")
-    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min()
-    t = t.unstack(["role", "event"])
+    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min().unstack([1, 2])
 
     def at(key: tuple[str, str]) -> pd.Series:
         return t[key] if key in t else pd.Series(math.nan, index=t.index)
