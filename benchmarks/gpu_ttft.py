@@ -33,9 +33,9 @@ import numpy as np
 import pandas as pd
 
 from disagg.config import build_experiment
-from disagg.core.metrics import read_results
+from disagg.core.metrics import queue_parts, read_results
 from disagg.hw.device import copy_seconds, resolve_device
-from disagg.hw.driver import HwOptions, queue_parts, run_hw
+from disagg.hw.driver import HwOptions, run_hw
 from disagg.models import get_model
 
 REPEATS = int(os.environ.get("DISAGG_REPEATS", "3"))

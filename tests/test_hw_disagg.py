@@ -24,11 +24,12 @@ pytest.importorskip("zmq")
 import torch
 
 from disagg.config import build_experiment
+from disagg.core.metrics import queue_parts
 from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
 from disagg.hw import node
 from disagg.hw.batch import Seq
-from disagg.hw.driver import HwOptions, HwRun, queue_parts, run_hw
+from disagg.hw.driver import HwOptions, HwRun, run_hw
 
 
 def experiment(

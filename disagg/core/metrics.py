@@ -9,6 +9,8 @@ Every run writes three tables and a summary:
   CPU; the simulator models device time only, so there it is `duration_s`), and
   `duration_s - device_s` is host time outside the forward (planning, inputs, sampling);
 - transfers: one row per request transfer (bytes, write operations, first post, last landing).
+A hw run adds `hops`: when each request's control messages left and arrived (`queue_parts`
+splits the queue by it).
 Metrics, plots and notebooks read only these, so sim and hw results compare column by column.
 """
 
@@ -202,6 +204,34 @@ def host_share(steps: pd.DataFrame) -> float:
     timed = steps[steps.device_s.notna()]
     wall = float(timed.duration_s.sum())
     return 1 - float(timed.device_s.sum()) / wall if wall > 0 else math.nan
+
+
+def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> pd.DataFrame:
+    """Each request's queue (arrival to its first prefill pass) split by its hops, in
+    seconds, indexed by request id: the driver's lateness (`late`: arrival to sent), the hop to
+    the node the request enters (`to_entry`: the decoder, or the colocated server), the
+    decoder's handling until it hands the request on (`at_decoder`), the hop to the prefill
+    node (`to_prefill`: from the decoder, or from the driver under `parallel` handoff), and
+    the wait there until the pass (`prefill_wait`). NaN where a run has no such part."""
+    role = hops.node.str.rstrip("0123456789")
+    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min().unstack([1, 2])
+
+    def at(key: tuple[str, str]) -> pd.Series:
+        return t[key] if key in t else pd.Series(math.nan, index=t.index)
+
+    sent, handed = at(("driver", "sent")), at(("decode", "handed_off"))
+    entry = at(("decode", "received")).fillna(at(("colocated", "received")))
+    at_prefill = at(("prefill", "received"))
+    r = requests.set_index("request_id").reindex(t.index)
+    return pd.DataFrame(
+        {
+            "late": sent - r.arrival_s,
+            "to_entry": entry - sent,
+            "at_decoder": handed - entry,
+            "to_prefill": at_prefill - (sent if parallel else handed),
+            "prefill_wait": r.prefill_start_s - at_prefill.fillna(entry),
+        }
+    )
 
 
 def summarize(

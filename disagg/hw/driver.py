@@ -25,6 +25,7 @@ from disagg.config import Experiment
 from disagg.core.metrics import (
     Recorder,
     host_share,
+    queue_parts,
     requests_table,
     steps_table,
     summarize,
@@ -297,34 +298,6 @@ def hops_table(state: HwRun) -> pd.DataFrame:
         rows.extend(tuple(h) for h in records.hops)
     hops = pd.DataFrame(rows, columns=HOP_COLUMNS)
     return hops.sort_values(["t_s", "request_id"], kind="stable").reset_index(drop=True)
-
-
-def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> pd.DataFrame:
-    """Each request's queue (arrival to its first prefill pass) split by its hops, in
-    seconds, indexed by request id: the driver's lateness (`late`: arrival to sent), the hop to
-    the node the request enters (`to_entry`: the decoder, or the colocated server), the
-    decoder's handling until it hands the request on (`at_decoder`), the hop to the prefill
-    node (`to_prefill`: from the decoder, or from the driver under `parallel` handoff), and
-    the wait there until the pass (`prefill_wait`). NaN where a run has no such part."""
-    role = hops.node.str.rstrip("0123456789")
-    t = hops.assign(role=role).groupby(["request_id", "role", "event"]).t_s.min().unstack([1, 2])
-
-    def at(key: tuple[str, str]) -> pd.Series:
-        return t[key] if key in t else pd.Series(math.nan, index=t.index)
-
-    sent, handed = at(("driver", "sent")), at(("decode", "handed_off"))
-    entry = at(("decode", "received")).fillna(at(("colocated", "received")))
-    at_prefill = at(("prefill", "received"))
-    r = requests.set_index("request_id").reindex(t.index)
-    return pd.DataFrame(
-        {
-            "late": sent - r.arrival_s,
-            "to_entry": entry - sent,
-            "at_decoder": handed - entry,
-            "to_prefill": at_prefill - (sent if parallel else handed),
-            "prefill_wait": r.prefill_start_s - at_prefill.fillna(entry),
-        }
-    )
 
 
 def tables(state: HwRun) -> tuple[Any, Any, Any]:
