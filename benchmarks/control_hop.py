@@ -36,7 +36,8 @@ from typing import Any
 import pandas as pd
 
 from disagg.hw.control import Control, decode, encode
-from disagg.hw.node import Submit, hold_cpu_latency
+from disagg.hw.knobs import hold_cpu_latency
+from disagg.hw.protocol import Submit
 
 BINDS = {"tcp": "tcp://127.0.0.1:*", "ipc": "ipc://{dir}/hop"}
 

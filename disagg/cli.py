@@ -347,7 +347,8 @@ def hw_serve(
     _hw_missing()
     from disagg.config import load_experiment
     from disagg.hw.attention import parse_attention
-    from disagg.hw.node import NodeConfig, serve
+    from disagg.hw.node import serve
+    from disagg.hw.protocol import NodeConfig
 
     if role not in ("prefill", "decode", "colocated"):
         from disagg.errors import ConfigError

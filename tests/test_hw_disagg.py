@@ -27,9 +27,11 @@ from disagg.config import build_experiment
 from disagg.core.metrics import queue_parts
 from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
-from disagg.hw import node
+from disagg.hw import knobs
 from disagg.hw.batch import Seq
+from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.driver import HwOptions, HwRun, run_hw
+from disagg.hw.prefill import PrefillServer
 
 
 def experiment(
@@ -85,10 +87,10 @@ def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
     """An idle server waits up to 2 ms for a message (which wakes it at once). A decoder with
     KV inbound over a wire without a wake-up fd polls every 200 us instead; with DISAGG_SPIN
     every server polls without waiting."""
-    monkeypatch.setattr(node, "SPIN", spin)
-    for role in (node.PrefillServer, node.ColocatedServer):
+    monkeypatch.setattr(knobs, "SPIN", spin)
+    for role in (PrefillServer, ColocatedServer):
         assert object.__new__(role).idle_wait_s() == (0.0 if spin else 0.002)
-    decoder = object.__new__(node.DecodeServer)
+    decoder = object.__new__(DecodeServer)
     for inbound, wake_fd, want in (
         ({}, None, 0.002),
         ({0: "kv"}, 7, 0.002),
@@ -104,20 +106,20 @@ def test_cpu_latency_is_held_when_asked_and_a_refusal_is_said(
 ) -> None:
     """DISAGG_CPU_LATENCY_US writes its microseconds as one int32 to the PM QoS file and
     keeps it open; a host without it (or without the right) is told, and the server runs on."""
-    monkeypatch.setitem(node._cpu_latency, "held", "not asked")  # this process's, restored after
+    monkeypatch.setitem(knobs._cpu_latency, "held", "not asked")  # this process's, restored after
     qos = tmp_path / "qos"
     qos.write_bytes(b"")
-    assert node.hold_cpu_latency(25, str(qos)) == "25 us"
+    assert knobs.hold_cpu_latency(25, str(qos)) == "25 us"
     assert struct.unpack("i", qos.read_bytes()) == (25,)
     missing = tmp_path / "none"
-    said = node.hold_cpu_latency(0, str(missing))
+    said = knobs.hold_cpu_latency(0, str(missing))
     assert said == f"refused: {missing}: No such file or directory"
     assert said in capsys.readouterr().err
     monkeypatch.setenv("DISAGG_CPU_LATENCY_US", "fast")
     with pytest.raises(ConfigError, match="DISAGG_CPU_LATENCY_US='fast'"):
-        node._cpu_latency_us()
+        knobs._cpu_latency_us()
     monkeypatch.setenv("DISAGG_CPU_LATENCY_US", " 0 ")
-    assert node._cpu_latency_us() == 0
+    assert knobs._cpu_latency_us() == 0
 
 
 @pytest.mark.parametrize("plan_ahead", [True, False])
@@ -127,8 +129,8 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(
     """The decoder plans a request's first pass at handoff only when that pass will be its next
     step: the request's KV is inbound, and nothing else runs, is ready or is inbound (and not
     with DISAGG_PLAN_AHEAD=0). The plan is of the step the decoder will run."""
-    monkeypatch.setattr(node, "PLAN_AHEAD", plan_ahead)
-    decoder = object.__new__(node.DecodeServer)
+    monkeypatch.setattr(knobs, "PLAN_AHEAD", plan_ahead)
+    decoder = object.__new__(DecodeServer)
     planned: list[list[Seq]] = []
     decoder.runner = SimpleNamespace(plan_ahead=lambda b: planned.append(b) or True)
     decoder.pool = SimpleNamespace(pages_of=lambda req_id: [4, 9, 2])
@@ -519,7 +521,7 @@ def test_prefill_server_recomputes_an_evicted_early_start() -> None:
     (the router's half, pages unknown) is evicted for a request whose decoder pages are known,
     and when it starts again the server still has its prompt and schedules it anew."""
     from disagg.core import messenger as m
-    from disagg.hw.node import NodeConfig, PrefillServer, Submit
+    from disagg.hw.protocol import NodeConfig, Submit
 
     data = experiment("tiny-gqa", "disagg", "HND", 64, "parallel")
     data["kv"]["page_size"] = 16
@@ -547,7 +549,7 @@ def test_servers_that_decode_capture_their_graphs_at_start(
 ) -> None:
     """Decode and colocated servers capture the graphs up to their own group's batch limit
     when they are built (before they report ready); a prefill server captures none."""
-    from disagg.hw.node import ColocatedServer, DecodeServer, NodeConfig, PrefillServer
+    from disagg.hw.protocol import NodeConfig
     from disagg.hw.runner import Runner
 
     calls: list[int] = []

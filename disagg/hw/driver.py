@@ -37,7 +37,8 @@ from disagg.core.workload import generate
 from disagg.errors import ConfigError, TransportError
 from disagg.hw.attention import parse_attention
 from disagg.hw.control import Control
-from disagg.hw.node import (
+from disagg.hw.node import serve
+from disagg.hw.protocol import (
     Finished,
     NodeConfig,
     NodeUp,
@@ -47,7 +48,6 @@ from disagg.hw.node import (
     Start,
     Started,
     Submit,
-    serve,
 )
 
 

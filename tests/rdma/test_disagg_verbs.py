@@ -37,7 +37,7 @@ def servers_from_a_forkserver(rdma_device: str) -> Iterator[None]:
     """The driver spawns each server afresh; here they fork from a forkserver that has imported
     the server module (and torch) once. Each server still opens its own verbs context."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["disagg.hw.node"])
+    ctx.set_forkserver_preload(["disagg.hw.node", "disagg.hw.prefill", "disagg.hw.decode"])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(driver, "mp", SimpleNamespace(get_context=lambda method: ctx))
         yield

@@ -1,0 +1,230 @@
+"""The prefill server: chunks of prompts through the model, each layer's pages posted to the
+decoder as the layer counter passes it, then the metadata (the hidden state MTP needs)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import queue
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg.core import messenger as m
+from disagg.core.request import Request
+from disagg.core.scheduler import PrefillScheduler
+from disagg.errors import DisaggError
+from disagg.hw import knobs
+from disagg.hw.batch import Seq
+from disagg.hw.control import Control
+from disagg.hw.node import Server, single_gpu_plan
+from disagg.hw.protocol import META_SLOTS, NodeConfig, Submit, pack_imm
+from disagg.hw.runner import LayerWatcher
+from disagg.hw.transport.base import Descriptor, Unit, Write, WriteArray, total_bytes
+
+
+class _PassDone:
+    """The end of a pass on the CPU, which is over when the runner returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class PrefillServer(Server):
+    role = "prefill"
+
+    def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
+        super().__init__(cfg, control)
+        t = self.exp.transfer
+        self.messenger = m.PrefillMessenger(cfg.index, self.pool, self.layers, t.policy)
+        group = self.exp.cluster.prefill
+        self.scheduler = PrefillScheduler(group.token_budget, group.max_batch)
+        self.plan = single_gpu_plan(self.exp, self.cache.layers[0].element_size())
+        self.requests: dict[int, Request] = {}
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        # this side's metadata rows, one per prefilled request until its posts complete (the
+        # decoder's slot may not be known yet when the hidden state is computed)
+        self.rows: dict[int, int] = {}
+        self.free_rows = collections.deque(range(META_SLOTS))
+        self.posts: dict[int, int] = {}  # wr_id -> req_id
+        self._wr = 0
+        self.after: torch.cuda.Event | _PassDone | None = None  # posts wait for it
+        self.layer_q: queue.Queue[int] = queue.Queue()
+        # a layer takes ~1 ms or more: polling faster only steals the GIL from the launches
+        self.watcher = LayerWatcher(self.runner.counter, self.layer_q.put, 250e-6).start()
+
+    def meet(self, peer: dict[str, Any]) -> None:
+        super().meet(peer)
+        assert self.wire is not None
+        regions = [Descriptor.from_dict(d) for d in peer["regions"]]
+        self.wire.connect(peer["name"], peer["wire_info"], regions)
+
+    def on_message(self, msg: Any) -> None:
+        if isinstance(msg, Submit):  # parallel handoff: straight from the driver
+            self.mark(msg.req_id, "received")
+            self.prompts[msg.req_id] = msg.prompt
+            self.execute(self.messenger.submit(msg.req_id, len(msg.prompt), decode_node=0))
+            return
+        if isinstance(msg, m.PrefillRequest):
+            if msg.prompt:
+                self.mark(msg.req_id, "received")
+                self.prompts[msg.req_id] = msg.prompt
+            self.mark(msg.req_id, "pages")
+        self.execute(self.messenger.on_message(msg))
+
+    def on_dead(self, peer: str) -> None:
+        super().on_dead(peer)
+        if peer.startswith("decode"):
+            self.execute(self.messenger.on_peer_dead(int(peer[6:]), "no heartbeat"))
+
+    def execute(self, cmds: list[m.Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, m.Send):
+                self.control.send(f"decode{cmd.node}", cmd.msg)
+            elif isinstance(cmd, m.Prefill):
+                prompt = self.prompts[cmd.req_id]  # kept: an evicted early start runs again
+                req = Request(cmd.req_id, 0.0, len(prompt), 1, prompt=prompt)
+                self.requests[req.id] = req
+                self.scheduler.add(req, cmd.tokens)
+            elif isinstance(cmd, m.Unschedule):
+                self.scheduler.remove(cmd.req_id)
+            elif isinstance(cmd, m.PostWrites):
+                self.post(cmd.req_id, f"decode{cmd.decode_node}", self.page_units(cmd))
+            elif isinstance(cmd, m.PostMetadata):
+                self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
+        for req_id in [r for r in self.rows if r not in self.messenger.outbound]:
+            self.free_rows.append(self.rows.pop(req_id))  # its posts are done (or never will be)
+        if len(self.prompts) > len(self.messenger):  # some left: prefilled, cancelled, refused
+            known = self.messenger.known()
+            for req_id in [r for r in self.prompts if r not in known]:
+                del self.prompts[req_id]
+
+    def page_units(self, cmd: m.PostWrites) -> list[Unit]:
+        """One unit per layer: every page's writes as arrays, then one immediate that counts
+        the post's complete pages (pages cut by the chunk are written but not counted; the
+        chunk that completes them writes them again and counts them)."""
+        segs = self.plan.segments
+        src = np.asarray(cmd.src_pages, dtype=np.int64)[:, None]
+        dst = np.asarray(cmd.dst_pages, dtype=np.int64)[:, None]
+        src_off = (src * self.plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
+        dst_off = (dst * self.plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
+        nbytes = np.tile([g.nbytes for g in segs], len(cmd.src_pages))
+        count = cmd.imm_pages * sum(self.plan.imms_per_page_layer_by_dst_rank().values())
+        imm = pack_imm(cmd.slot, count) if count else None
+        return [
+            Unit(WriteArray(f"kv{layer}", f"kv{layer}", src_off, dst_off, nbytes), imm)
+            for layer in cmd.layers
+        ]
+
+    def meta_unit(self, cmd: m.PostMetadata) -> Unit:
+        """This side's row of the request's hidden state -> the decoder's row of its slot."""
+        if cmd.slot >= META_SLOTS:
+            raise DisaggError(f"metadata slot {cmd.slot} >= {META_SLOTS} rows")
+        row = self.meta.shape[1] * 4
+        src, dst = self.rows[cmd.req_id] * row, cmd.slot * row
+        return Unit([Write("meta", src, "meta", dst, row)], pack_imm(cmd.slot, 1))
+
+    def meta_row(self, req_id: int) -> int:
+        if not self.free_rows:
+            raise DisaggError(f"{self.cfg.name}: all {META_SLOTS} metadata rows in use")
+        self.rows[req_id] = self.free_rows.popleft()
+        return self.rows[req_id]
+
+    def post(self, req_id: int, peer: str, units: list[Unit]) -> None:
+        assert self.wire is not None
+        self._wr += 1
+        self.posts[self._wr] = req_id
+        t = self.transfer_row(req_id)
+        t[3] = min(t[3], self.now())
+        t[1] += sum(total_bytes(u.writes) for u in units)
+        t[2] += sum(len(u.writes) for u in units)
+        if self.after is not None:  # bytes the pass is still writing: order the copies after
+            stream = getattr(self.wire, "stream", None)  # the cuda wire's copy stream
+            if stream is not None:
+                stream.wait_event(self.after)
+            else:
+                self.after.synchronize()
+        self.wire.post(peer, units, self._wr)
+
+    def transfer_row(self, req_id: int) -> list[Any]:
+        nan = math.nan
+        return self.stats.transfers.setdefault(req_id, [req_id, 0, 0, math.inf, nan, nan])
+
+    def poll_wire(self) -> None:
+        assert self.wire is not None
+        for c in self.wire.poll().completions:
+            req_id = self.posts.pop(c.wr_id)
+            self.execute(self.messenger.on_posted(req_id, c.ok, c.error))
+
+    def tick(self) -> None:
+        self.poll_wire()
+        super().tick()
+
+    def step(self) -> bool:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return False
+        start = self.now()
+        for c in batch.chunks:
+            if math.isnan(c.req.prefill_start_s):
+                c.req.prefill_start_s = start
+        self.execute(self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks]))
+        seqs = [
+            Seq.of(
+                c.req.prompt[c.start : c.start + c.tokens], c.start, self.pool.pages_of(c.req.id)
+            )
+            for c in batch.chunks
+        ]
+        out = self.runner.step(seqs)
+        for i, c in enumerate(batch.chunks):
+            if c.last:  # hidden state of the token before the last prompt token (stream order)
+                self.meta[self.meta_row(c.req.id)] = out.hidden[i].float()
+        end: torch.cuda.Event | _PassDone | None = None
+        if knobs.META_IN_STREAM:
+            end = torch.cuda.Event() if self.model.device.type == "cuda" else _PassDone()
+            end.record()  # after the metadata rows: the end of the pass
+        self.follow_layers(out.layers_before)
+        prefilled = self.scheduler.complete(batch).prefilled
+        if end is None:
+            self.sync()
+            end_s = self.now()
+        self.after = end  # with an end event, the pass's last posts wait for it on the wire
+        try:
+            self.execute(self.messenger.on_batch_done())
+        finally:
+            self.after = None
+        if end is not None:
+            end.synchronize()  # the pass, not the copies just posted (a device sync would wait)
+            end_s = self.now()
+        for r in prefilled:
+            row = self.transfer_row(r.id)
+            row[4], row[5] = r.prefill_start_s, end_s
+            del self.requests[r.id]
+        self.record("prefill", start, batch)
+        return True
+
+    def follow_layers(self, before: int) -> None:
+        """Post each layer's pages as the watcher sees the counter pass it. Control messages
+        are handled meanwhile: a decoder's pages that come mid-pass (parallel handoff) take
+        what the pass has produced so far at once, and the rest layer by layer."""
+        done = 0
+        while done < self.layers:
+            self.handle(self.control.recv(0.0))
+            try:
+                n = self.layer_q.get(timeout=0.001) - before
+            except queue.Empty:
+                self.poll_wire()
+                continue
+            if n > done:
+                done = min(n, self.layers)
+                self.execute(self.messenger.on_layers(done))
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.watcher.stop()

@@ -1,0 +1,134 @@
+"""The node protocol: the messages between the driver and the servers, and the immediates
+that count a request's writes.
+
+    driver -> Submit -> decode (and, under parallel handoff, prefill)
+    servers -> NodeUp -> driver -> Peers -> servers -> Started; driver -> Start (the clock)
+    decode or colocated -> Finished -> driver; driver -> Shutdown; servers -> Records
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.core.request import Request
+from disagg.errors import DisaggError
+from disagg.hw.control import register
+
+META_SLOTS = 4096  # rows of the decode side's metadata buffer (one per in-flight request)
+SLOT_BITS = 16  # an immediate is (count << 16) | slot: which request, and how many write units
+
+
+def pack_imm(slot: int, count: int) -> int:
+    """The 32-bit immediate of a post that completes `count` counted units of request `slot`
+    (units of one post ride one queue pair in order, so the last write's immediate vouches
+    for all of them)."""
+    if not 0 <= slot < 1 << SLOT_BITS or not 0 < count < 1 << (32 - SLOT_BITS):
+        raise DisaggError(f"immediate out of range: slot {slot}, count {count}")
+    return count << SLOT_BITS | slot
+
+
+def unpack_imm(imm: int) -> tuple[int, int]:
+    """(slot, count) of an immediate made by `pack_imm`."""
+    return imm & ((1 << SLOT_BITS) - 1), imm >> SLOT_BITS
+
+
+@register
+@dataclass(frozen=True)
+class NodeUp:
+    name: str
+    endpoint: str
+    wire_info: dict[str, Any]
+    regions: tuple[dict[str, Any], ...]
+
+
+@register
+@dataclass(frozen=True)
+class Peers:
+    peers: tuple[dict[str, Any], ...]  # NodeUp fields of every other server
+
+
+@register
+@dataclass(frozen=True)
+class Started:
+    name: str
+
+
+@register
+@dataclass(frozen=True)
+class Start:
+    t0: float  # wall-clock origin of every timestamp
+
+
+@register
+@dataclass(frozen=True)
+class Submit:
+    req_id: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    output_tokens: int
+
+    def request(self) -> Request:
+        """The request this message submits, as the serving node tracks it."""
+        return Request(
+            self.req_id, self.arrival_s, len(self.prompt), self.output_tokens, prompt=self.prompt
+        )
+
+
+@register
+@dataclass(frozen=True)
+class Finished:
+    req_id: int
+    status: str
+    reason: str
+    tokens: tuple[int, ...]
+    times: dict[str, float]  # prefill_start_s, prefill_end_s, ready_s, first_token_s, finish_s
+    logits: tuple[float, ...] = ()  # last step's logits (when the driver asks for them)
+    first_logits: tuple[float, ...] = ()  # logits that chose the first token (likewise)
+    metadata_sum: float = math.nan  # sum of the hidden state handed over (or computed) for MTP
+    prefill_node: int = 0
+    decode_node: int = 0
+
+
+@register
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@register
+@dataclass(frozen=True)
+class Records:
+    name: str
+    steps: tuple[tuple[Any, ...], ...]
+    # request_id, bytes, write ops, first post s, prefill start s, prefill end s
+    transfers: tuple[tuple[Any, ...], ...]
+    error: str = ""
+    submits: int = 0  # requests that reached this node from the driver (a prefill node: parallel)
+    settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
+    # passes_planned_ahead: decode passes planned while their KV was inbound;
+    # graphs_captured_on_demand: decode graphs captured when first needed (by a step or a plan
+    # ahead), not at start
+    counters: dict[str, int] = field(default_factory=dict)
+    hops: tuple[tuple[Any, ...], ...] = ()  # request_id, node, event, t_s: see Server.mark
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a server process needs (picklable: it crosses a spawn)."""
+
+    role: str  # prefill | decode | colocated
+    index: int
+    experiment: dict[str, Any]
+    device: str
+    wire: str
+    num_pages: int
+    driver: str  # the driver's control endpoint
+    bind: str = "tcp://127.0.0.1:*"
+    attention: str = "auto"
+    return_logits: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
