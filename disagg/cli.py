@@ -288,6 +288,9 @@ def hw_run(
     ] = None,
     bind: Annotated[str, typer.Option(help="Driver control socket")] = "tcp://127.0.0.1:*",
     attention: Attention = "auto",
+    silent_after_s: Annotated[
+        float, typer.Option(help="A server not heard from this long is stuck: an error")
+    ] = 30.0,
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
     on local devices, the workload replayed in real time; writes the same tables as sim run."""
@@ -305,6 +308,7 @@ def hw_run(
         attention=attention,
         external=tuple(external or ()),
         bind=bind,
+        silent_after_s=silent_after_s,
     )
     with _progress("{task.completed}/{task.total} requests") as bar:
         task = bar.add_task(f"{exp.name} (hw, {wire})", total=None)

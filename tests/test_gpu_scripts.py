@@ -80,6 +80,11 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     rows = [r for r in report.splitlines() if r.startswith("|") and r.split("|")[1].strip()]
     assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
+    assert "queue: to_prefill" in report  # the queue split by the runs' hops tables
+    summary = json.loads((tmp_path / "layerwise" / "summary.json").read_text())
+    assert set(summary["queue_parts_ms"]) == {
+        "late", "to_entry", "at_decoder", "to_prefill", "prefill_wait"
+    }  # fmt: skip
     # the trace stays beside the runs: the simulator replays a run from its directory alone
     exp = json.loads((tmp_path / "layerwise" / "experiment.json").read_text())
     assert Path(exp["workload"]["trace"]).parent == tmp_path.resolve()
@@ -207,3 +212,17 @@ def test_copy_ways_dry_run_checks_every_ways_bytes(tmp_path: Path) -> None:
     torch_ways = [v for k, v in r.items() if isinstance(v, dict) and not k.startswith("driver")]
     assert len(torch_ways) == 6 and all(v["bytes_ok"] for v in torch_ways)
     assert all("error" in r[k] for k in ("driver copy per layer", "driver 2D copy"))
+
+
+def test_control_hop_dry_run_times_every_case_forward_in_time(tmp_path: Path) -> None:
+    """Each case's messages arrive after they were stamped (a stamp taken before the read, or
+    a message read twice, would show as a negative or missing time), over ZeroMQ and over a
+    plain socket, pinned or not."""
+    done = _script("control_hop.py", "--prompts", "64", "--count", "5", "--spacing-s", "0.01",
+                   "--latency", "off", "--pin", "off,on", "--transports", "tcp,raw",
+                   "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "control_hop.json").read_text())
+    cases = {(r["transport"], r["pinned"], r["receiver"]) for r in rows}
+    assert len(rows) == len(cases) == 8
+    assert all(0 < r["median (ms)"] <= r["p90 (ms)"] < 1000 for r in rows)

@@ -261,6 +261,36 @@ def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path
     assert not any(p.is_alive() for p in driver.procs.values())
 
 
+def test_a_stuck_server_is_an_error_naming_it_and_says_where_its_threads_are(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A server alive but silent (here: stopped by SIGSTOP) fails the run after
+    `silent_after_s`, naming it, and is killed on the way out; a server asked (SIGUSR1) writes
+    every thread's stack to stderr and runs on."""
+    import os
+    import signal
+
+    from disagg.errors import TransportError
+    from disagg.hw.driver import Driver
+
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data["workload"] = {**data["workload"], "rate_per_s": 2, "num_requests": 20}
+    opts = HwOptions(wire="tcp", num_pages=128, silent_after_s=3.0)
+    driver = Driver(build_experiment(data), opts)
+    try:
+        driver.start()
+        os.kill(driver.procs["prefill0"].pid, signal.SIGUSR1)
+        os.kill(driver.procs["decode0"].pid, signal.SIGSTOP)
+        with pytest.raises(TransportError, match=r"server decode0 is alive but has not been heard"):
+            driver.replay()
+        assert driver.stuck == {"decode0"} and driver.procs["prefill0"].is_alive()
+    finally:
+        driver.stop()
+    assert not any(p.is_alive() for p in driver.procs.values())
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "in run" in err  # prefill0's main loop, at least
+
+
 def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
     """The driver waits for a server it did not spawn (how a multi-host run starts)."""
     import subprocess
@@ -502,17 +532,24 @@ def test_cli_hw_run_waits_for_an_external_server_on_its_bound_socket(tmp_path: P
     assert len(req) == 4 and (req.status == "finished").all()
 
 
-def test_cli_hw_run_rejects_an_unknown_attention_kernel() -> None:
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--attention", "flashinfer:fa9"], "unknown attention 'flashinfer:fa9'"),
+        (["--silent-after-s", "0"], "silent_after_s must be > 0 s, got 0"),
+    ],
+)
+def test_cli_hw_run_rejects_a_bad_option(option: list[str], said: str) -> None:
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "disagg.cli", "hw", "run", "--attention", "flashinfer:fa9"],
+        [sys.executable, "-m", "disagg.cli", "hw", "run", *option],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2 and "unknown attention 'flashinfer:fa9'" in proc.stdout
+    assert proc.returncode == 2 and said in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

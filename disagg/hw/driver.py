@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ class HwOptions:
     return_logits: bool = False
     start_timeout_s: float = 600.0  # model build, CUDA graphs, FlashInfer JIT
     drain_timeout_s: float = 600.0  # after the last arrival
+    silent_after_s: float = 30.0  # a server alive but not heard from this long is stuck
     external: tuple[str, ...] = ()  # servers started elsewhere (disagg hw serve), by name
     bind: str = "tcp://127.0.0.1:*"
 
@@ -116,12 +119,15 @@ def check_hw_experiment(exp: Experiment) -> None:
 class Driver:
     def __init__(self, exp: Experiment, opts: HwOptions) -> None:
         parse_attention(opts.attention)  # a bad choice fails here, not in every server
+        if not opts.silent_after_s > 0:
+            raise ConfigError(f"silent_after_s must be > 0 s, got {opts.silent_after_s:g}")
         check_hw_experiment(exp)
         self.exp, self.opts = exp, opts
-        self.control = Control("driver", opts.bind, dead_after_s=30.0)
+        self.control = Control("driver", opts.bind, dead_after_s=opts.silent_after_s)
         self.configs = node_configs(exp, opts, self.control.endpoint)
         self.procs: dict[str, Any] = {}
         self.run_state = HwRun()
+        self.stuck: set[str] = set()
 
     # -- starting
     def start(self) -> None:
@@ -158,6 +164,22 @@ class Driver:
                 missing = sorted(names - set(got))
                 raise TransportError(f"servers {missing} did not {what} within {timeout_s:g} s")
         return got
+
+    def check_silent(self) -> None:
+        """A server that is alive but has sent nothing, not even a heartbeat, for
+        `silent_after_s` is stuck: a spawned one is asked to write its threads' stacks to
+        stderr (faulthandler, on SIGUSR1), and the run fails naming it."""
+        for name in self.control.dead_peers():
+            self.stuck.add(name)
+            proc = self.procs.get(name)
+            if proc is not None and proc.is_alive() and hasattr(signal, "SIGUSR1"):
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(0.5)  # time to write them
+            raise TransportError(
+                f"server {name} is alive but has not been heard from for "
+                f"{self.opts.silent_after_s:g} s: it is stuck (a spawned server's threads' "
+                "stacks are on stderr)"
+            )
 
     def check_children(self) -> None:
         for name, proc in self.procs.items():
@@ -201,12 +223,14 @@ class Driver:
             # wake for the next arrival on time (recv sleeps below a millisecond)
             self._receive(min(0.001, max(0.0, pending[0][0].arrival_s - now)) if pending else 0.05)
             self.control.heartbeat()  # servers stop when the driver falls silent
+            self.check_silent()
             if progress:
                 progress(len(state.finished), len(arrivals))
             if now > last_arrival + self.opts.drain_timeout_s:
+                left = sorted(set(state.requests) - set(state.finished))
                 raise TransportError(
                     f"{len(arrivals) - len(state.finished)} requests unfinished "
-                    f"{self.opts.drain_timeout_s:g} s after the last arrival"
+                    f"{self.opts.drain_timeout_s:g} s after the last arrival (ids {left[:10]})"
                 )
         return state
 
@@ -235,21 +259,23 @@ class Driver:
     # -- stopping
     def stop(self) -> None:
         """Ask every server to stop, collect its records, and make sure no child is left."""
-        names = [c.name for c in self.configs]
-        for name in names:
-            if name in self.control.dealers:
-                self.control.send(name, Shutdown())
+        dead = {n for n, p in self.procs.items() if not p.is_alive()}
+        awaited = {c.name for c in self.configs if c.name in self.control.dealers}
+        awaited -= self.stuck | dead
+        for name in sorted(awaited):
+            self.control.send(name, Shutdown())
         deadline = time.monotonic() + 20.0
-        while time.monotonic() < deadline and len(self.run_state.records) < len(
-            self.control.dealers
-        ):
+        while time.monotonic() < deadline and not awaited <= set(self.run_state.records):
             msg = self.control.recv(0.2)
             if msg is not None and isinstance(msg[1], Records):
                 self.run_state.records[msg[1].name] = msg[1]
-        for proc in self.procs.values():
-            proc.join(5.0)
-            if proc.is_alive():
+        for name, proc in self.procs.items():
+            proc.join(0.0 if name in self.stuck else 5.0)
+            if proc.is_alive() and name not in self.stuck:
                 proc.terminate()
+                proc.join(5.0)
+            if proc.is_alive():  # stuck, stopped, or deaf to SIGTERM
+                proc.kill()
                 proc.join(5.0)
         self.control.close()
 

@@ -16,7 +16,9 @@ a wire (tcp, cuda or verbs):
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -66,6 +68,8 @@ def serve(cfg: NodeConfig) -> None:
     # the driver's socket while the first lives, and the reason with it
     control = Control(cfg.name, cfg.bind)
     control.connect("driver", cfg.driver)
+    if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if knobs.SPIN:
         sys.setswitchinterval(knobs.SPIN_SWITCH_S)
     if knobs.CPU_LATENCY_US is not None:
