@@ -180,7 +180,11 @@ def main() -> None:
         t = time.perf_counter()
         exp = build_experiment(experiment(args.model, mode, policy, tpath, max(prompts), handoff))
         opts = HwOptions(
-            wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
+            wire=args.wire,
+            prefill_device=pdev,
+            decode_device=ddev,
+            num_pages=args.pages,
+            drain_timeout_s=120.0,  # one request at a time: a lost one is an error, named, soon
         )
         summary, _ = run_hw(exp, opts, args.out / label)
         req, steps, _, _ = read_results(args.out / label)
