@@ -4,7 +4,10 @@
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
 # BENCH_ARGS='--only copy transfer' passes arguments to gpu_bench.py;
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
-# decode TPOT under a prefill stream, about 5 min); PREBUILD=none skips the kernel build (a warm
+# decode TPOT under a prefill stream, about 5 min); HOP=1 adds control_hop.py (one control hop,
+# ZeroMQ and a plain socket, pinned or not: about 2 min, no kernels needed, so
+# `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 HOP=1` runs it on a fresh machine alone);
+# PREBUILD=none skips the kernel build (a warm
 # machine keeps it in /tmp/site); DISAGG_REPEATS=N requests per prompt length in gpu_ttft.py;
 # TESTS='EXPR' picks the GPU tests (pytest -k; default: every GPU test); SPACING=S seconds
 # between gpu_ttft.py's requests (default 3); TTFT_PROMPTS=2048,8192 picks its prompt lengths;
@@ -40,6 +43,9 @@ for SET in "${SETS[@]}"; do
     2>&1 | tail -60 | tee -a "$LOG"
   cp "$RUNS/ttft_$N/gpu_ttft.md" "$OUT/gpu_ttft_$N.md" 2>/dev/null
 done
+[ -z "${HOP:-}" ] || timeout 300 python3 benchmarks/control_hop.py --prompts 16,2048 --count 60 \
+  --latency off --pin off,on --out "$RUNS/hop" 2>&1 | tail -20 | tee -a "$LOG"
+cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
