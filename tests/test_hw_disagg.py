@@ -291,6 +291,34 @@ def test_a_stuck_server_is_an_error_naming_it_and_says_where_its_threads_are(
     assert "most recent call first" in err and "in run" in err  # prefill0's main loop, at least
 
 
+def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> None:
+    """Messages from different senders keep no order between them: a decoder already running
+    can reach a prefill server before the driver's Start does (seen on a loaded 2-core machine:
+    the request's pages were dropped, and the request lost). The server keeps them, in order,
+    and handles them once it runs."""
+    import time
+
+    from disagg.core.messenger import PrefillRequest
+    from disagg.hw.control import Control
+    from disagg.hw.protocol import Start
+
+    here, driver, decoder = Control("prefill0"), Control("driver"), Control("decode0")
+    try:
+        for sender in (driver, decoder):
+            sender.connect("prefill0", here.endpoint)
+        pages = PrefillRequest(3, 0, 0, 40, (5, 6, 7), 0, (), True)
+        decoder.send("prefill0", pages)
+        time.sleep(0.3)  # the decoder's message is in first
+        driver.send("prefill0", Start(12.5))
+        server = object.__new__(PrefillServer)
+        server.control, server.running = here, True
+        assert server.wait_start() == [("decode0", pages)]
+        assert server.t0 == 12.5 and server.running
+    finally:
+        for c in (here, driver, decoder):
+            c.close()
+
+
 def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
     """The driver waits for a server it did not spawn (how a multi-host run starts)."""
     import subprocess

@@ -476,3 +476,41 @@ def test_cancels_for_unknown_requests_are_remembered_boundedly() -> None:
         assert pre.on_message(CancelTransfer(1000 + i, "timeout")) == []
     assert pre.submit(1000 + GONE_KEPT + 9, 40, DECODE) == []  # recent: dropped on arrival
     assert pre.submit(1000, 40, DECODE) == [Prefill(1000, 39)]  # forgotten: prefilled
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["prefilled", "parked"])
+def test_parallel_timeout_is_answered_when_the_decoder_pages_never_came(started: bool) -> None:
+    """Under parallel handoff the router's submission started (or parked) a prefill, and the
+    decoder's routed PrefillRequest was lost. The decoder's timeout cancel still gets its
+    answer (sent to the decoder the router named), so the decoder frees its pages and retries
+    decode-first, and the retry runs: the request is not lost."""
+    dec, pre = sides(timeout_s=5.0, handoff="parallel")
+    req = Request(12, 0.0, prompt_tokens=40, output_tokens=8, prompt=tuple(range(40)))
+    if not started:  # room for nothing: the early start parks
+        pre.pool.allocate(99, pre.pool.num_pages * PAGE)
+    assert pre.submit(12, 40, DECODE) == ([Prefill(12, 39)] if started else [])
+    if started:
+        run_chunk(pre, 12, 0, 39)  # prefilled; its KV waits for pages that never come
+    routed_request(dec, req)  # sent, and lost on the way
+    (cancel,) = dec.check_timeouts(5.0)
+    assert isinstance(cancel.msg, CancelTransfer) and cancel.msg.reply
+    (answer,) = pre.on_message(cancel.msg)
+    assert answer == Send(DECODE, TransferAborted(12, "transfer timed out after 5 s"))
+    assert not pre.outbound and not pre.parked
+    assert dec.on_message(answer.msg) == [Retry(12, "transfer timed out after 5 s")]
+    assert dec.pool.used_pages == 0  # freed on the answer
+    if not started:
+        pre.pool.free(99)
+    (retry,) = dec.submit(req, PREFILL, 6.0)
+    assert not retry.msg.routed and retry.msg.prompt == req.prompt
+    assert pre.on_message(retry.msg) == [Prefill(12, 39)]
+
+
+def test_parallel_cancel_of_a_request_failed_at_the_decoder_wants_no_answer() -> None:
+    """A decoder that fails a request before any handoff tells the started prefill to stop,
+    asking no answer: it holds nothing for it (an answer would name a request it has not)."""
+    dec, pre = parallel(decode_pages=2)
+    pre.submit(13, 40, DECODE)
+    _, cancel = dec.submit(Request(13, 0.0, 40, 10), PREFILL)
+    assert cancel.msg == CancelTransfer(13, cancel.msg.reason, reply=False)
+    assert pre.on_message(cancel.msg) == [Unschedule(13)] and not pre.outbound

@@ -67,8 +67,12 @@ class PrefillRejected:
 
 @dataclass(frozen=True)
 class CancelTransfer:
+    """Decode asks prefill to stop a request's transfer. `reply`: the decoder holds pages for
+    it and waits for TransferAborted; not when it failed the request before any handoff."""
+
     req_id: int
     reason: str
+    reply: bool = True
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,7 @@ class DecodeMessenger:
             )
             cmds: list[Command] = [Failed(req.id, req.fail_reason)]
             if self._routed(req, first=req.attempts == 0):  # stop the prefill already started
-                cmds.append(Send(prefill_node, CancelTransfer(req.id, req.fail_reason)))
+                cmds.append(Send(prefill_node, CancelTransfer(req.id, req.fail_reason, False)))
             return cmds
         req.attempts += 1
         req.status = Status.QUEUED
@@ -430,8 +434,8 @@ class PrefillMessenger:
             return self._on_request(msg)
         if isinstance(msg, CancelTransfer):
             if msg.req_id not in self.outbound:
-                return self._drop_waiting(msg.req_id, msg.reason)
-            return self._abort(msg.req_id, msg.reason)
+                return self._drop_waiting(msg.req_id, msg.reason, msg.reply)
+            return self._abort(msg.req_id, msg.reason, msg.reply)
         raise ProtocolError(f"prefill node {self.node} cannot handle {type(msg).__name__}")
 
     def _on_request(self, msg: PrefillRequest) -> list[Command]:
@@ -503,19 +507,23 @@ class PrefillMessenger:
         if len(self._gone) > GONE_KEPT:
             self._gone.popitem(last=False)
 
-    def _drop_waiting(self, req_id: int, reason: str) -> list[Command]:
+    def _drop_waiting(self, req_id: int, reason: str, reply: bool = True) -> list[Command]:
         """A cancel for a request not started here: drop it, and answer the decoder if it had
         handed the request off (it waits for the answer to free its pages)."""
         queued = next((q for q in self.waiting if q.req_id == req_id), None)
         queued = self.parked.pop(req_id, queued)
         early = self._early.pop(req_id, None)
-        if queued is not None:
+        node: int | None = None
+        if queued is not None:  # (an early start parked before the decoder's pages came: the
+            # router named the decoder too)
             self.waiting = deque(q for q in self.waiting if q.req_id != req_id)
-            msg = queued.msg
+            node = queued.decode_node if queued.msg is None else queued.msg.decode_node
         else:  # finished and freed (the decoder sees its immediates), or not come yet
-            msg = early
+            node = None if early is None else early.decode_node
             self._bury(req_id, reason)  # a router's submission still to come is dropped
-        return [] if msg is None else [Send(msg.decode_node, TransferAborted(req_id, reason))]
+        if node is None or not reply:
+            return []
+        return [Send(node, TransferAborted(req_id, reason))]
 
     def on_batch(self, chunks: Sequence[tuple[int, int, int]]) -> list[Command]:
         """Before a forward pass: the chunks (req_id, start, tokens) it computes."""
@@ -631,10 +639,11 @@ class PrefillMessenger:
             if out.prefilled and sent and out.pending_posts == 0 and req_id not in in_batch:
                 del self.outbound[req_id]
                 self.pool.free(req_id)
-                if out.abort_reason and out.notify and out.msg is not None:
-                    cmds.append(
-                        Send(out.msg.decode_node, TransferAborted(req_id, out.abort_reason))
-                    )
+                if out.abort_reason and out.notify:
+                    # the decoder's PrefillRequest may never have come (an early start): the
+                    # router named the decoder too
+                    node = out.job.decode_node if out.msg is None else out.msg.decode_node
+                    cmds.append(Send(node, TransferAborted(req_id, out.abort_reason)))
         return cmds + self._admit()
 
     def _admit(self) -> list[Command]:

@@ -296,7 +296,7 @@ def run_hw(
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
-    for key in ("passes_planned_ahead", "graphs_captured_on_demand"):
+    for key in ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start"):
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
     summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
     summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}

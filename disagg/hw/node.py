@@ -120,6 +120,7 @@ class Server:
         self.stats = _Stats()
         self.t0 = time.time()
         self.running = True
+        self.early_messages = 0  # from peers, before the driver's Start (kept: wait_start)
         self.wire: Transport | None = None
 
     # -- lifecycle
@@ -127,7 +128,10 @@ class Server:
         error = ""
         try:
             self.announce()
-            self.wait_start()
+            early = self.wait_start()  # a peer's messages that came before the start
+            self.early_messages = len(early)
+            for got in early:
+                self.handle(got)
             while self.running:
                 self.tick()
         except DisaggError as e:
@@ -148,6 +152,7 @@ class Server:
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
+                    "messages_before_start": self.early_messages,
                 },
                 tuple(self.stats.hops),
             ),
@@ -177,7 +182,12 @@ class Server:
             )
         return self._meta
 
-    def wait_start(self) -> None:
+    def wait_start(self) -> list[tuple[str, Any]]:
+        """Meet the peers, then wait for the driver's Start (the run's clock). A peer may
+        already be running and send before this server's Start is read (each sender's
+        messages come in order, but not across senders): those are kept, in order, and
+        returned, to be handled once the server runs."""
+        early: list[tuple[str, Any]] = []
         while True:
             got = self.control.recv(1.0)
             if got is None:
@@ -189,10 +199,12 @@ class Server:
                 self.control.send("driver", Started(self.cfg.name))
             elif isinstance(msg, Start):
                 self.t0 = msg.t0
-                return
+                return early
             elif isinstance(msg, Shutdown):
                 self.running = False
-                return
+                return []
+            else:
+                early.append(got)
 
     def meet(self, peer: dict[str, Any]) -> None:
         self.control.connect(peer["name"], peer["endpoint"])
