@@ -293,10 +293,10 @@ def test_a_stuck_server_is_an_error_naming_it_and_says_where_its_threads_are(
 
 def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> None:
     """Messages from different senders keep no order between them: a decoder already running
-    can reach a prefill server before the driver's Start does (seen on a loaded 2-core machine:
-    the request's pages were dropped, and the request lost). The server keeps them, in order,
+    can reach a prefill server before the driver's Start does (on a loaded 2-core machine a
+    request's pages were dropped so, and the request lost). The server keeps them, in order,
     and handles them once it runs."""
-    import time
+    import threading
 
     from disagg.core.messenger import PrefillRequest
     from disagg.hw.control import Control
@@ -308,12 +308,15 @@ def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> No
             sender.connect("prefill0", here.endpoint)
         pages = PrefillRequest(3, 0, 0, 40, (5, 6, 7), 0, (), True)
         decoder.send("prefill0", pages)
-        time.sleep(0.3)  # the decoder's message is in first
-        driver.send("prefill0", Start(12.5))
+        assert here.router.poll(10_000)  # it is in (a socket queue: no order across senders)
+        # the Start comes later, from the driver's own thread, while the server waits for it
+        later = threading.Timer(0.3, driver.send, ("prefill0", Start(12.5)))
+        later.start()
         server = object.__new__(PrefillServer)
         server.control, server.running = here, True
         assert server.wait_start() == [("decode0", pages)]
         assert server.t0 == 12.5 and server.running
+        later.join()
     finally:
         for c in (here, driver, decoder):
             c.close()
