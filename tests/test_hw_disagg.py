@@ -27,7 +27,7 @@ from disagg.config import build_experiment
 from disagg.core.metrics import queue_parts
 from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
-from disagg.hw import knobs
+from disagg.hw import knobs, node
 from disagg.hw.batch import Seq
 from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.driver import HwOptions, HwRun, run_hw
@@ -295,10 +295,10 @@ def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> No
     """Messages from different senders keep no order between them: a decoder already running
     can reach a prefill server before the driver's Start does (on a loaded 2-core machine a
     request's pages were dropped so, and the request lost). The server keeps them, in order,
-    and handles them once it runs."""
+    and handles them once it runs, before what the same peer sent after them."""
     import threading
 
-    from disagg.core.messenger import PrefillRequest
+    from disagg.core.messenger import CancelTransfer, PrefillRequest
     from disagg.hw.control import Control
     from disagg.hw.protocol import Start
 
@@ -307,16 +307,26 @@ def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> No
         for sender in (driver, decoder):
             sender.connect("prefill0", here.endpoint)
         pages = PrefillRequest(3, 0, 0, 40, (5, 6, 7), 0, (), True)
+        cancel, later_cancel = CancelTransfer(3, "timeout"), CancelTransfer(4, "timeout")
         decoder.send("prefill0", pages)
-        assert here.router.poll(10_000)  # it is in (a socket queue: no order across senders)
+        decoder.send("prefill0", cancel)
+        assert here.router.poll(10_000)  # in (a socket queue: no order across senders)
         # the Start comes later, from the driver's own thread, while the server waits for it
-        later = threading.Timer(0.3, driver.send, ("prefill0", Start(12.5)))
-        later.start()
+        start = threading.Timer(0.3, driver.send, ("prefill0", Start(12.5)))
+        start.start()
         server = object.__new__(PrefillServer)
-        server.control, server.running = here, True
-        assert server.wait_start() == [("decode0", pages)]
+        server.control, server.running, server.stats = here, True, node._Stats()
+        early = server.wait_start()
+        assert early == [("decode0", pages), ("decode0", cancel)]
         assert server.t0 == 12.5 and server.running
-        later.join()
+        start.join()
+        decoder.send("prefill0", later_cancel)  # waiting in the socket when the server runs
+        assert here.router.poll(10_000)
+        handled: list[object] = []
+        server.on_message = handled.append  # type: ignore[method-assign]
+        server.handle_early(early)
+        server.handle(here.recv(0.0))
+        assert handled == [pages, cancel, later_cancel] and server.early_messages == 2
     finally:
         for c in (here, driver, decoder):
             c.close()

@@ -514,10 +514,10 @@ class PrefillMessenger:
         queued = self.parked.pop(req_id, queued)
         early = self._early.pop(req_id, None)
         node: int | None = None
-        if queued is not None:  # (an early start parked before the decoder's pages came: the
-            # router named the decoder too)
+        if queued is not None:  # (an early start parked before the decoder's pages came
+            # knows its decoder too: the router named it)
             self.waiting = deque(q for q in self.waiting if q.req_id != req_id)
-            node = queued.decode_node if queued.msg is None else queued.msg.decode_node
+            node = queued.decode_node
         else:  # finished and freed (the decoder sees its immediates), or not come yet
             node = None if early is None else early.decode_node
             self._bury(req_id, reason)  # a router's submission still to come is dropped
@@ -639,11 +639,11 @@ class PrefillMessenger:
             if out.prefilled and sent and out.pending_posts == 0 and req_id not in in_batch:
                 del self.outbound[req_id]
                 self.pool.free(req_id)
-                if out.abort_reason and out.notify:
-                    # the decoder's PrefillRequest may never have come (an early start): the
-                    # router named the decoder too
-                    node = out.job.decode_node if out.msg is None else out.msg.decode_node
-                    cmds.append(Send(node, TransferAborted(req_id, out.abort_reason)))
+                if out.abort_reason and out.notify:  # to the job's decoder, whose request
+                    # may never have come (an early start: the router named the decoder)
+                    cmds.append(
+                        Send(out.job.decode_node, TransferAborted(req_id, out.abort_reason))
+                    )
         return cmds + self._admit()
 
     def _admit(self) -> list[Command]:

@@ -270,10 +270,11 @@ class Driver:
             if msg is not None and isinstance(msg[1], Records):
                 self.run_state.records[msg[1].name] = msg[1]
         for name, proc in self.procs.items():
-            proc.join(0.0 if name in self.stuck else 5.0)
-            if proc.is_alive() and name not in self.stuck:
-                proc.terminate()
+            if name not in self.stuck:  # a stuck one would not leave by itself
                 proc.join(5.0)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(5.0)
             if proc.is_alive():  # stuck, stopped, or deaf to SIGTERM
                 proc.kill()
                 proc.join(5.0)

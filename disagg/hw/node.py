@@ -128,10 +128,7 @@ class Server:
         error = ""
         try:
             self.announce()
-            early = self.wait_start()  # a peer's messages that came before the start
-            self.early_messages = len(early)
-            for got in early:
-                self.handle(got)
+            self.handle_early(self.wait_start())
             while self.running:
                 self.tick()
         except DisaggError as e:
@@ -206,6 +203,13 @@ class Server:
             else:
                 early.append(got)
 
+    def handle_early(self, early: list[tuple[str, Any]]) -> None:
+        """Handle the peers' messages that came before the start, in order, before any that
+        the socket holds now (a sender's later messages must not overtake its earlier ones)."""
+        self.early_messages = len(early)
+        for _, msg in early:
+            self.dispatch(msg)
+
     def meet(self, peer: dict[str, Any]) -> None:
         self.control.connect(peer["name"], peer["endpoint"])
 
@@ -231,12 +235,16 @@ class Server:
     def handle(self, got: tuple[str, Any] | None) -> None:
         """Handle `got` and every control message waiting behind it."""
         while got is not None and self.running:
-            if isinstance(got[1], Shutdown):
-                self.running = False
-                return
-            self.stats.submits += isinstance(got[1], Submit)
-            self.on_message(got[1])
-            got = self.control.recv(0.0)
+            self.dispatch(got[1])
+            got = self.control.recv(0.0) if self.running else None
+
+    def dispatch(self, msg: Any) -> None:
+        """One control message: Shutdown stops the loop; the rest go to the role."""
+        if isinstance(msg, Shutdown):
+            self.running = False
+            return
+        self.stats.submits += isinstance(msg, Submit)
+        self.on_message(msg)
 
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
