@@ -1,5 +1,6 @@
 """The cuda wire: IPC peer copies between two processes (on one GPU or two), immediates only
-after the copies, a dead peer named in the failure. Run coalescing is tested without a GPU."""
+after the copies, a dead peer named in the failure. The copier is tested without a GPU, on CPU
+tensors (the planner that it follows: tests/test_copyplan.py)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,13 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import torch
 
 from disagg.errors import TransportError
+from disagg.hw.transport import copyplan, make_transport
 from disagg.hw.transport import cuda as cuda_wire
-from disagg.hw.transport import cudadriver, make_transport
 from disagg.hw.transport._wire import IMM, frame
 from disagg.hw.transport.base import Completion, Transport, Unit, Write, WriteArray, coalesce
-from disagg.hw.transport.cuda import (
-    STACK_MAX_RUNS,
-    CudaTransport,
-    Group,
-    Mapped,
-    as_arrays,
-    tensor_at,
-)
+from disagg.hw.transport.copier import Copier, gather_copy
+from disagg.hw.transport.copyplan import STACK_MAX_RUNS, Group, Mapped, stackable
+from disagg.hw.transport.cuda import tensor_at
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,27 +44,11 @@ def _sender(
     return wire
 
 
-def test_coalesce_merges_only_runs_contiguous_on_both_sides() -> None:
-    ws = [
-        Write("a", 0, "b", 100, 10),
-        Write("a", 10, "b", 110, 5),
-        Write("a", 15, "b", 200, 5),
-        Write("a", 20, "b", 205, 5),
-        Write("c", 25, "b", 210, 5),
-    ]
-    (ab, cb) = as_arrays(ws)
-    assert (ab.src, ab.dst, cb.src) == ("a", "b", "c")
-    s, d, n = coalesce(ab)
-    assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 15], [100, 200], [15, 10])
-    assert [w.nbytes for w in ab] == [10, 5, 5, 5] and ab[1] == ws[1]
-
-
 @pytest.mark.parametrize("row", [64, 24, 13], ids=["words", "three-words", "odd-bytes"])
 def test_batched_copy_puts_every_run_in_place(row: int) -> None:
-    """The copy planner on CPU tensors (it is device-agnostic): scattered rows, some merged into
+    """The copier on CPU tensors (it is device-agnostic): scattered rows, some merged into
     multi-row runs, land exactly where asked, through word views or byte slices."""
-    wire = object.__new__(CudaTransport)  # only the copy planner: no GPU, no sockets
-    wire._rows, wire._indexes, wire.gather = {}, {}, False
+    copier = Copier(gather=False)
     n = 128  # rows per region; writes use even rows, plus one odd row that extends a run
     gen = torch.Generator().manual_seed(row)
     src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
@@ -84,11 +64,19 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     splits = []
     for _ in range(2):  # the second pass reuses the cached row split (words)
         dst.zero_()
-        wire._copy(src, dst, runs)
+        copier.copy(src, dst, runs)
         assert torch.equal(dst, want)
-        splits.append({k: v[1] for k, v in wire._rows.items()})
-    assert len(wire._rows) == (2 if row % 8 == 0 else 0)  # one split per region
+        splits.append({k: v[1] for k, v in copier.row_splits.items()})
+    assert len(copier.row_splits) == (2 if row % 8 == 0 else 0)  # one split per region
     assert all(splits[1][k] is rows for k, rows in splits[0].items())  # not split again
+
+
+def test_a_single_run_is_one_copy() -> None:
+    copier = Copier(gather=True)
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    copier.copy(src, dst, coalesce(WriteArray("s", "d", [8], [40], [16])))
+    assert dst[40:56].tolist() == list(range(8, 24)) and int(dst.sum()) == sum(range(8, 24))
+    assert not copier.row_splits and not copier.indexes
 
 
 @pytest.mark.parametrize("single", [True, False], ids=["one-row-runs", "multi-row-runs"])
@@ -99,9 +87,9 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
     gathered and scattered by row number (CPU tensors here, both thresholds lowered to this
     group; the same torch calls run on the wire's stream on a GPU). Runs of several rows expand
     into their rows; the bytes land exactly as a plain copy puts them; the same runs again in
-    one post reuse their row numbers; one run fewer, or smaller rows, go batched."""
-    wire = object.__new__(CudaTransport)
-    wire._rows, wire._indexes, wire.gather = {}, {}, True
+    one post reuse their row numbers, a new post makes them anew; one run fewer, or smaller
+    rows, go batched."""
+    copier = Copier(gather=True)
     row, n = 64, 512
     gen = torch.Generator().manual_seed(int(single))
     src = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=gen)
@@ -120,27 +108,37 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
         [k * row for k in sizes],
     )
     runs = coalesce(wa)
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]))  # at the thresholds: gather
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", row)
+    monkeypatch.setattr(copyplan, "GATHER_MIN_RUNS", len(runs[2]))  # at the thresholds: gather
+    monkeypatch.setattr(copyplan, "GATHER_MIN_ROW", row)
     want = torch.zeros_like(dst)
     for a, b, k in zip(*starts, sizes, strict=True):
         want[b * row : (b + k) * row] = src[a * row : (a + k) * row]
-    wire._copy(src, dst, runs)
+    copier.copy(src, dst, runs)
     assert torch.equal(dst, want)
-    assert not wire._rows  # no batched copy (it would have split the regions into rows)
-    (index,) = [ix for _, ix in wire._indexes.values()]
+    assert not copier.row_splits  # no batched copy (it would have split the regions into rows)
+    (index,) = [ix for _, ix in copier.indexes.values()]
     assert index.shape == (2, sum(sizes))
     dst.zero_()
-    wire._copy(src, dst, runs)  # the next layer of the same post
-    (again,) = [ix for _, ix in wire._indexes.values()]
+    copier.copy(src, dst, runs)  # the next layer of the same post
+    (again,) = [ix for _, ix in copier.indexes.values()]
     assert torch.equal(dst, want) and again is index
+    copier.start_post()
+    assert not copier.indexes
     for more_runs, more_row in ((1, 0), (0, 8)):  # one run fewer, or smaller rows: batched
-        monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", len(runs[2]) + more_runs)
-        monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", row + more_row)
-        wire._rows.clear()
+        monkeypatch.setattr(copyplan, "GATHER_MIN_RUNS", len(runs[2]) + more_runs)
+        monkeypatch.setattr(copyplan, "GATHER_MIN_ROW", row + more_row)
+        copier.row_splits.clear()
         dst.zero_()
-        wire._copy(src, dst, runs)
-        assert torch.equal(dst, want) and len(wire._rows) == 2
+        copier.copy(src, dst, runs)
+        assert torch.equal(dst, want) and len(copier.row_splits) == 2 and not copier.indexes
+
+
+def test_gather_copy_moves_the_named_rows_and_nothing_else() -> None:
+    src = torch.arange(4 * 16, dtype=torch.uint8)  # rows of 16 bytes: row r holds 16r..16r+15
+    dst = torch.full((4 * 16,), 255, dtype=torch.uint8)
+    gather_copy(src, dst, torch.tensor([[3, 0], [1, 2]]), 16)  # source row 3 -> 1, 0 -> 2
+    assert dst[16:32].tolist() == list(range(48, 64)) and dst[32:48].tolist() == list(range(16))
+    assert dst[:16].tolist() == [255] * 16 and dst[48:].tolist() == [255] * 16
 
 
 def test_the_immediates_of_one_event_leave_in_one_send_after_it() -> None:
@@ -166,80 +164,18 @@ def test_the_immediates_of_one_event_leave_in_one_send_after_it() -> None:
     assert log == ["a", b"".join(imms[:3]), "b", imms[3], "final"]
 
 
-def _stack_plan(
-    srcs: list[torch.Tensor], dsts: list[torch.Tensor | Mapped], wa: WriteArray
-) -> list[tuple[list[Group], int | None]]:
-    """A post's plan: unit i writes `wa`'s runs from srcs[i] to dsts[i], immediate i."""
-    return [([(s, d, coalesce(wa))], i) for i, (s, d) in enumerate(zip(srcs, dsts, strict=True))]
-
-
-def test_units_stack_only_over_regions_at_one_distance_with_the_same_runs(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The stacking planner on CPU tensors: the layers of one allocation stack; a layer out of
-    order, other runs, rows that would overlap (within a run or across runs), bytes not in
-    16-byte words, or (mapped peer) another allocation or a pitch over the device's limit end
-    the stack; a local peer's scattered runs do not stack, a mapped peer's do, unless they
-    would go as a gather (through a view on this GPU, enough runs of whole rows)."""
-    wire = object.__new__(CudaTransport)  # only the planner: no GPU, no sockets
-    wire.device, wire.gather = torch.device("cuda", 0), True
-    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
-    src, dst = torch.zeros(6, 4096, dtype=torch.uint8), torch.zeros(6, 8192, dtype=torch.uint8)
-    one = WriteArray("s", "d", [512], [1024], [2048])
-    assert wire._stackable(_stack_plan(list(src), list(dst), one), 0) == 6
-    assert wire._stackable(_stack_plan(list(src), list(dst), one), 2) == 4  # from unit 2 on
-    shuffled = [dst[0], dst[1], dst[3], dst[2], dst[4], dst[5]]
-    assert wire._stackable(_stack_plan(list(src), list(shuffled), one), 0) == 2
-    plan = _stack_plan(list(src), list(dst), one)
-    plan[3] = ([(src[3], dst[3], coalesce(WriteArray("s", "d", [0], [1024], [2048])))], 3)
-    assert wire._stackable(plan, 0) == 3
-    wide = WriteArray("s", "d", [0], [0], [4096 + 16])  # wider than the regions' distance
-    overlapping = list(torch.zeros(7 * 4096, dtype=torch.uint8).as_strided((6, 8192), (4096, 1)))
-    assert wire._stackable(_stack_plan(overlapping, list(dst), wide), 0) == 1
-    # two runs whose rows of consecutive units would overlap (destination windows 992 bytes
-    # apart, the runs 1024 bytes wide together): stacked, the units' writes would reorder
-    windows = list(torch.zeros(4096, dtype=torch.uint8).as_strided((3, 1024), (992, 1)))
-    crossing = WriteArray("s", "d", [0, 1024], [0, 976], [32, 48])
-    assert wire._stackable(_stack_plan(list(src[:3]), windows, crossing), 0) == 1
-    odd = WriteArray("s", "d", [512], [1024], [2040])
-    assert wire._stackable(_stack_plan(list(src), list(dst), odd), 0) == 1
-    mapped: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel()) for t in dst]
-    assert wire._stackable(_stack_plan(list(src), mapped, odd), 0) == 6  # driver: any bytes
-    other = [Mapped(t.data_ptr(), t.numel(), base=i // 3) for i, t in enumerate(dst)]
-    assert wire._stackable(_stack_plan(list(src), other, one), 0) == 3  # two allocations
-    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 4096)
-    assert wire._stackable(_stack_plan(list(src), mapped, one), 0) == 1  # dst pitch 8192
-    monkeypatch.setattr(cudadriver, "max_pitch", lambda ordinal: 1 << 20)
-    runs = STACK_MAX_RUNS + 1
-    scattered = WriteArray(
-        "s", "d", [i * 128 for i in range(runs)], [i * 256 for i in range(runs)], [64] * runs
-    )
-    assert wire._stackable(_stack_plan(list(src), list(dst), scattered), 0) == 1
-    assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
-    # runs enough to gather, into a mapped peer seen through a view on this GPU: a gather per
-    # unit, not a stacked copy per run; with no view (by address only) they stack as before
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", runs)
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", 64)
-    viewed: list[torch.Tensor | Mapped] = [Mapped(t.data_ptr(), t.numel(), t) for t in dst]
-    assert wire._stackable(_stack_plan(list(src), viewed, scattered), 0) == 1
-    assert wire._stackable(_stack_plan(list(src), mapped, scattered), 0) == 6
-    wire.gather = False
-    assert wire._stackable(_stack_plan(list(src), viewed, scattered), 0) == 6
-
-
 def test_a_stacked_copy_puts_every_layers_runs_in_place() -> None:
     """The strided copy (a row per layer, 16-byte words) on CPU tensors: three runs of pages in
     five layers land where five per-layer copies would put them, and nothing else changes."""
-    wire = object.__new__(CudaTransport)
-    wire.device, wire.gather = torch.device("cuda", 0), True
+    copier = Copier(gather=True)
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (5, 4096), dtype=torch.uint8, generator=gen)
     dst = torch.randint(0, 256, (5, 6144), dtype=torch.uint8, generator=gen)
     want = dst.clone()
     wa = WriteArray("s", "d", [0, 1024, 2048], [4096, 512, 2048], [512, 1024, 2048])
-    plan = _stack_plan(list(src), list(dst), wa)
-    assert wire._stackable(plan, 0) == 5
-    wire._copy_stacked([groups[0] for groups, _ in plan])
+    groups: list[Group] = [(s, d, coalesce(wa)) for s, d in zip(src, dst, strict=True)]
+    assert stackable([([g], None) for g in groups], 0, gather=True, max_pitch=lambda: 0) == 5
+    copier.copy_stacked(groups)
     for layer in range(5):
         for so, do, k in zip(wa.src_offsets, wa.dst_offsets, wa.nbytes, strict=True):
             want[layer, do : do + k] = src[layer, so : so + k]
@@ -284,8 +220,8 @@ def test_cuda_scattered_pages_go_as_a_gather_that_lands_in_place(
     """Many scattered pages (here 1 KiB rows, the thresholds lowered to them) go as a gather
     and a scatter on the wire's stream, for two units of one post (the second reuses the row
     numbers): every byte lands where asked, and each unit's immediate arrives."""
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_RUNS", 64)
-    monkeypatch.setattr(cuda_wire, "GATHER_MIN_ROW", 1024)
+    monkeypatch.setattr(copyplan, "GATHER_MIN_RUNS", 64)
+    monkeypatch.setattr(copyplan, "GATHER_MIN_ROW", 1024)
     row, pages = 1024, SCATTER // 1024
     r = ReceiverProcess("cuda", (SCATTER, SCATTER), _peer_device(), "decode0")
     try:
@@ -310,7 +246,7 @@ def test_cuda_scattered_pages_go_as_a_gather_that_lands_in_place(
         # one index for both units, unless another GPU's region goes by address, run by run
         # (stacked: a 2D copy per run for both units)
         gathered = kernels or torch.cuda.device_count() == 1
-        assert len(wire._indexes) == int(gathered)  # type: ignore[attr-defined]
+        assert len(wire._copier.indexes) == int(gathered)  # type: ignore[attr-defined]
         for i in range(2):
             want = np.zeros((pages, row), dtype=np.uint8)
             want[dp // row] = src[i].view(pages, row).cpu().numpy()[sp // row]
@@ -400,13 +336,13 @@ def test_cuda_layers_of_one_allocation_go_as_2d_copies_that_land_in_place(
             wire.register(f"s{i}", src[i])
         wire.connect("decode0", r.info, r.descs)
         calls: list[int] = []  # units of each stacked copy
-        real = CudaTransport._copy_stacked
+        real = Copier.copy_stacked
 
-        def counted(self: CudaTransport, groups: list[Group]) -> None:
+        def counted(self: Copier, groups: list[Group]) -> None:
             calls.append(len(groups))
             real(self, groups)
 
-        monkeypatch.setattr(CudaTransport, "_copy_stacked", counted)
+        monkeypatch.setattr(Copier, "copy_stacked", counted)
         rng = np.random.default_rng(0)
         few = (np.array([3, 4, 5, 9, 20, 21]), np.array([40, 41, 42, 7, 30, 31]))  # 3 runs
         many = tuple(rng.permutation(size // page)[: STACK_MAX_RUNS * 2] for _ in range(2))

@@ -1,4 +1,5 @@
-"""The verbs wire, host side: what needs no RDMA device, and the soft-RoCE VM tier.
+"""The verbs wire, host side: what needs no RDMA device, and the soft-RoCE VM tier. Its NIC
+choice and its connection rendezvous have their own tests (test_nics.py, test_rendezvous.py).
 
 The VM tier (marked `rdma`) builds or reuses the image of tools/rdma-vm/, boots it once under
 qemu TCG and runs tests/rdma inside, where rxe0 is a real verbs device: the wire's own tests and
@@ -21,14 +22,7 @@ import numpy as np
 import pytest
 
 from disagg.errors import TransportError
-from disagg.hw.transport import verbs
-from disagg.hw.transport.verbs import (
-    VerbsTransport,
-    buffer_address,
-    nearest_nic,
-    pick_gid_index,
-    wc_status_name,
-)
+from disagg.hw.transport.verbs import VerbsTransport, buffer_address, wc_status_name
 
 REPO = Path(__file__).resolve().parents[1]
 VM = REPO / "tools" / "rdma-vm"
@@ -61,59 +55,6 @@ def test_no_device_gives_a_clear_error(tmp_path: Path) -> None:
     assert out.stdout.startswith("TransportError no RDMA device found"), out.stdout + out.stderr
 
 
-def fake_port(root: Path, dev: str, gids: dict[int, tuple[str, str]], link: str) -> Path:
-    port = root / "class/infiniband" / dev / "ports/1"
-    (port / "gids").mkdir(parents=True)
-    (port / "gid_attrs/types").mkdir(parents=True)
-    (port / "link_layer").write_text(link + "\n")
-    for i in range(8):
-        gid, kind = gids.get(i, ("0000:" * 7 + "0000", ""))
-        (port / "gids" / str(i)).write_text(gid + "\n")
-        if kind:
-            (port / "gid_attrs/types" / str(i)).write_text(kind + "\n")
-    return port
-
-
-def test_gid_choice_prefers_ipv4_mapped_roce_v2(tmp_path: Path) -> None:
-    v4 = "0000:0000:0000:0000:0000:ffff:0a00:0001"
-    link_local = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
-    fake_port(tmp_path, "mlx5_0", {0: (link_local, "IB/RoCE v1"), 1: (link_local, "RoCE v2"),
-              2: (v4, "IB/RoCE v1"), 3: (v4, "RoCE v2")}, "Ethernet")  # fmt: skip
-    assert pick_gid_index("mlx5_0", 1, tmp_path) == 3
-    fake_port(tmp_path, "mlx5_1", {0: (link_local, "RoCE v2")}, "Ethernet")
-    assert pick_gid_index("mlx5_1", 1, tmp_path) == 0
-    fake_port(tmp_path, "mlx5_2", {0: (link_local, "IB/RoCE v1")}, "Ethernet")
-    with pytest.raises(TransportError, match="no RoCE v2 GID found on mlx5_2 port 1"):
-        pick_gid_index("mlx5_2", 1, tmp_path)
-    fake_port(tmp_path, "mlx5_3", {0: (link_local, "IB/RoCE v1")}, "InfiniBand")
-    assert pick_gid_index("mlx5_3", 1, tmp_path) == 0
-
-
-def test_nic_nearest_to_the_gpu_by_pcie_path_then_numa(tmp_path: Path) -> None:
-    devices = tmp_path / "devices"
-    pci = {  # two root complexes; a switch under each holds a GPU and a NIC
-        "gpu0": "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0",
-        "mlx5_0": "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0",
-        "gpu1": "pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:00.0",
-        "mlx5_1": "pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:01.0",
-        "mlx5_2": "pci0000:80/0000:80:02.0/0000:83:00.0",
-    }
-    for name, path in pci.items():
-        (devices / path).mkdir(parents=True)
-        (devices / path / "numa_node").write_text("0\n" if "pci0000:00" in path else "1\n")
-        if name.startswith("mlx5"):
-            (tmp_path / "class/infiniband" / name).mkdir(parents=True)
-            (tmp_path / "class/infiniband" / name / "device").symlink_to(devices / path)
-        else:
-            (tmp_path / "bus/pci/devices").mkdir(parents=True, exist_ok=True)
-            bus_id = path.rsplit("/", 1)[1]
-            (tmp_path / "bus/pci/devices" / bus_id).symlink_to(devices / path)
-    nics = ["mlx5_0", "mlx5_1", "mlx5_2"]
-    assert nearest_nic("0000:02:00.0", nics, tmp_path) == "mlx5_0"
-    assert nearest_nic("0000:82:00.0", nics, tmp_path) == "mlx5_1"
-    assert nearest_nic("0000:82:00.0", ["mlx5_0", "mlx5_2"], tmp_path) == "mlx5_2"  # same NUMA
-
-
 def test_buffer_addresses_of_host_memory() -> None:
     arr = np.zeros((4, 16), dtype=np.float16)
     assert buffer_address(arr) == (arr.ctypes.data, 128, False)
@@ -133,7 +74,6 @@ def test_status_names() -> None:
     assert wc_status_name(10) == "IBV_WC_REM_ACCESS_ERR"
     assert wc_status_name(12) == "IBV_WC_RETRY_EXC_ERR"
     assert wc_status_name(99) == "IBV_WC_status 99"
-    assert verbs.ENV_DEVICE == "DISAGG_VERBS_DEVICE"
 
 
 # --- the soft-RoCE VM tier ---------------------------------------------------------------------

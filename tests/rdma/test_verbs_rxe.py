@@ -38,14 +38,12 @@ def test_discovery_prefers_the_ipv4_mapped_roce_v2_gid(rdma_device: str) -> None
         t.close()
 
 
-def test_gid_index_from_the_environment(rdma_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DISAGG_VERBS_GID_INDEX", "0")
-    t = wire("a")
+def test_a_gid_index_given_is_used(rdma_device: str) -> None:
+    t = wire("a", gid_index=0)
     assert t.gid_index == 0 and t.gid.startswith("fe80:")  # the link-local RoCE v2 GID
     t.close()
-    monkeypatch.setenv("DISAGG_VERBS_GID_INDEX", "9")
     with pytest.raises(TransportError, match="GID index 9"):
-        wire("a")
+        wire("a", gid_index=9)
 
 
 def test_unknown_device_is_named(rdma_device: str) -> None:

@@ -2,10 +2,9 @@
 
 torch maps another process's memory (CUDA IPC) in a context of the GPU that holds it. A copy
 issued from another GPU into such a mapping is not a peer copy: the driver stages it through the
-host (measured on two NVLinked H200s: 35 GB/s against 392 GB/s for a peer copy, see
-benchmarks/results/gpu_2026-11-29b.md). So for a peer on another GPU the wire maps the
-region itself, in the *sender's* context with peer access enabled, and copies with
-cuMemcpyDtoDAsync on its own stream. Everything here goes through libcuda.so.1 (the driver,
+host, far slower than a peer copy over NVLink (docs/gpu-runs.md). So for a peer on another GPU
+the wire maps the region itself, in the *sender's* context with peer access enabled, and copies
+with cuMemcpyDtoDAsync on its own stream. Everything here goes through libcuda.so.1 (the driver,
 present wherever a GPU is); no extra package.
 """
 

@@ -1,11 +1,11 @@
 """The verbs wire: RDMA WRITE / WRITE_WITH_IMM on reliable-connected (RC) queue pairs, via pyverbs.
 
-Connecting: `local_info()` names the endpoint's GID and its rendezvous QP, a small UD queue pair.
-`connect(peer, info, regions)` creates one RC QP for that peer and sends a request (QP number,
-PSN, GID, MTU) to the peer's rendezvous QP; the peer's background thread answers with a QP of
-its own already moved to RTR, and our QP goes to RTS. Only the sender calls `connect`: the
-receiver just registers, publishes `local_info()` and its descriptors, and polls. A peer that
-never answers raises TransportError after `connect_timeout_s`.
+Connecting (`rendezvous`): `local_info()` names the endpoint's GID and its rendezvous QP, a
+small UD queue pair. `connect(peer, info, regions)` creates one RC QP for that peer and sends a
+request (QP number, PSN, GID, MTU) to the peer's rendezvous QP; the peer's background thread
+answers with a QP of its own already moved to RTS, and our QP goes to RTS. Only the sender calls
+`connect`: the receiver just registers, publishes `local_info()` and its descriptors, and polls.
+A peer that never answers raises TransportError after `connect_timeout_s`.
 
 Sending: each Write becomes an RDMA WRITE work request; adjacent writes into one contiguous
 remote range share a WR as a scatter-gather list, and a unit's immediate rides on its last WR as
@@ -22,8 +22,9 @@ tensors through dma-buf (`DmaBufMR`), where remote addresses are offsets from th
 range's base. pyverbs is imported lazily: Debian's 44 (`pyverbs.enums`) and PyPI's 59
 (`pyverbs.libibverbs_enums`) both work.
 
-Environment: DISAGG_VERBS_DEVICE (device name, e.g. mlx5_0), DISAGG_VERBS_GID_INDEX,
-DISAGG_VERBS_PORT; constructor arguments of the same names win over them.
+Device (`nics`): the one named by `device` or DISAGG_VERBS_DEVICE, else the one nearest GPU `gpu`
+on the PCIe tree, else the first; port `port` or DISAGG_VERBS_PORT (1); GID index `gid_index`
+or DISAGG_VERBS_GID_INDEX, else a RoCE v2 GID of that port (0 on InfiniBand).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import json
 import os
 import random
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,10 +46,21 @@ from typing import Any
 
 from disagg.errors import TransportError
 from disagg.hw.transport.base import Completion, Descriptor, Polled, Transport, Unit, coalesced
-
-ENV_DEVICE = "DISAGG_VERBS_DEVICE"
-ENV_GID_INDEX = "DISAGG_VERBS_GID_INDEX"
-ENV_PORT = "DISAGG_VERBS_PORT"
+from disagg.hw.transport.nics import (
+    choose_nic,
+    device_names,
+    pick_gid_index,
+)
+from disagg.hw.transport.rendezvous import (
+    Rendezvous,
+    Reply,
+    Request,
+    drain,
+    local_info,
+    peer_address,
+    rts_attrs,
+    to_rts,
+)
 
 _CONN_SHIFT = 40  # a send wr_id is (connection number << 40) | WR sequence number
 _MAX_WR_BYTES = 1 << 30
@@ -99,67 +110,6 @@ def load_pyverbs() -> SimpleNamespace:
         QPInitAttr=q.QPInitAttr, AHAttr=a.AHAttr, GlobalRoute=a.GlobalRoute, GID=a.GID,
         SGE=w.SGE, SendWR=w.SendWR, RecvWR=w.RecvWR, AH=a.AH,
     )  # fmt: skip
-
-
-def device_names(pv: SimpleNamespace) -> list[str]:
-    """Names of the verbs devices; TransportError "no RDMA device found" when there is none."""
-    try:
-        names = sorted(d.name.decode() for d in pv.get_device_list())
-    except pv.Error as ex:  # libibverbs raises, rather than returning [], without any device
-        raise TransportError(f"no RDMA device found: {ex} (see docs/hardware.md)") from ex
-    if not names:
-        raise TransportError("no RDMA device found: no verbs driver lists any device")
-    return names
-
-
-def gpu_pci_bus_id(gpu: int) -> str | None:
-    """PCI address (`0000:3b:00.0`) of CUDA device `gpu`, from torch; None if it cannot tell."""
-    try:
-        import torch
-
-        p: Any = torch.cuda.get_device_properties(gpu)
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-    except Exception:
-        return None
-
-
-def nearest_nic(gpu_bus_id: str, nics: Sequence[str], sysfs: Path = Path("/sys")) -> str:
-    """The verbs device closest to a GPU: longest shared PCIe path, then the same NUMA node."""
-    gpu = (sysfs / "bus/pci/devices" / gpu_bus_id).resolve()
-
-    def numa(dev: Path) -> str:
-        with contextlib.suppress(OSError):
-            return (dev / "numa_node").read_text().strip()
-        return "?"
-
-    def score(nic: str) -> tuple[int, bool, str]:
-        path = (sysfs / "class/infiniband" / nic / "device").resolve()
-        shared = len(os.path.commonpath([gpu, path]).split(os.sep))
-        return (-shared, numa(path) != numa(gpu), nic)
-
-    return min(nics, key=score)
-
-
-def pick_gid_index(dev: str, port: int, sysfs: Path = Path("/sys")) -> int:
-    """RoCE v2 with an IPv4-mapped GID first, then any RoCE v2 GID; index 0 on InfiniBand."""
-    base = sysfs / "class/infiniband" / dev / "ports" / str(port)
-    if (base / "link_layer").read_text().strip() == "InfiniBand":
-        return 0
-    v2 = []
-    for entry in sorted((base / "gids").iterdir(), key=lambda p: int(p.name)):
-        gid = entry.read_text().strip()
-        if not gid.strip("0:"):
-            continue  # unused (most of the table)
-        with contextlib.suppress(OSError):
-            kind = (base / "gid_attrs/types" / entry.name).read_text().strip()
-            if "v2" in kind:
-                v2.append((not gid.startswith("0000:0000:0000:0000:0000:ffff:"), int(entry.name)))
-    if not v2:
-        raise TransportError(
-            f"no RoCE v2 GID found on {dev} port {port}: give its network interface an IP "
-            f"address, or set {ENV_GID_INDEX}"
-        )
-    return min(v2)[1]
 
 
 def buffer_address(buffer: Any) -> tuple[int, int, bool]:
@@ -225,67 +175,6 @@ class _Peer:
     error: str = ""
 
 
-class _Rendezvous:
-    """A UD queue pair that carries connection requests and replies, one JSON datagram each."""
-
-    SLOTS, SLOT, GRH = 32, 1024, 40  # receive slots first, then as many send slots
-    QKEY = 0x0D15A66
-
-    def __init__(self, pv: SimpleNamespace, ctx: Any, pd: Any, port: int, gid_index: int) -> None:
-        self._pv, self._pd, self._port, self._gid_index = pv, pd, port, gid_index
-        self.cq = pv.CQ(ctx, 2 * self.SLOTS, None, None, 0)
-        cap = pv.QPCap(max_send_wr=self.SLOTS, max_recv_wr=self.SLOTS)
-        init = pv.QPInitAttr(qp_type=pv.e.IBV_QPT_UD, scq=self.cq, rcq=self.cq, cap=cap)
-        attr = pv.QPAttr()
-        attr.qkey, attr.port_num, attr.pkey_index = self.QKEY, port, 0
-        self.qp = pv.QP(pd, init, attr)  # a UD QP comes back in RTS
-        self.mr = pv.MR(pd, 2 * self.SLOTS * self.SLOT, pv.e.IBV_ACCESS_LOCAL_WRITE)
-        self._ahs: dict[str, Any] = {}
-        self._sent = 0
-        for slot in range(self.SLOTS):
-            self._post_recv(slot)
-
-    def _post_recv(self, slot: int) -> None:
-        sge = self._pv.SGE(self.mr.buf + slot * self.SLOT, self.SLOT, self.mr.lkey)
-        self.qp.post_recv(self._pv.RecvWR(wr_id=slot, num_sge=1, sg=[sge]))
-
-    def send(self, msg: dict[str, Any], gid: str, qpn: int) -> None:
-        pv = self._pv
-        if gid not in self._ahs:
-            route = pv.GlobalRoute(dgid=pv.GID(gid), sgid_index=self._gid_index)
-            ah_attr = pv.AHAttr(port_num=self._port, is_global=1, gr=route, dlid=0)
-            self._ahs[gid] = pv.AH(self._pd, attr=ah_attr)
-        data = json.dumps(msg).encode()
-        slot = self.SLOTS + self._sent % self.SLOTS
-        self._sent += 1
-        self.mr.write(data, len(data), slot * self.SLOT)
-        sge = pv.SGE(self.mr.buf + slot * self.SLOT, len(data), self.mr.lkey)
-        wr = pv.SendWR(wr_id=slot, opcode=pv.e.IBV_WR_SEND, num_sge=1, sg=[sge])
-        wr.set_wr_ud(self._ahs[gid], qpn, self.QKEY)
-        with contextlib.suppress(pv.Error):  # a full queue drops it, as the network may: resent
-            self.qp.post_send(wr)
-
-    def receive(self) -> list[dict[str, Any]]:
-        msgs = []
-        for wc in _drain(self.cq):
-            if wc.wr_id >= self.SLOTS:
-                continue  # a send finished
-            if wc.status == self._pv.e.IBV_WC_SUCCESS:
-                raw = self.mr.read(wc.byte_len - self.GRH, wc.wr_id * self.SLOT + self.GRH)
-                with contextlib.suppress(ValueError):
-                    msgs.append(json.loads(raw))
-            self._post_recv(wc.wr_id)
-        return msgs
-
-
-def _drain(cq: Any) -> Iterator[Any]:
-    while True:
-        n, wcs = cq.poll(num_entries=64)
-        if not n:
-            return
-        yield from wcs[:n]
-
-
 class VerbsTransport(Transport):
     """RDMA WRITE / WRITE_WITH_IMM to connected peers. Thread-safe: a background thread accepts
     connections and moves the queues; every public method holds the same lock."""
@@ -313,12 +202,10 @@ class VerbsTransport(Transport):
         self.connect_timeout_s, self.ack_timeout = connect_timeout_s, ack_timeout
         self._pv = pv = load_pyverbs()
         names = device_names(pv)
-        self.device = self._choose_device(names, device or os.environ.get(ENV_DEVICE), gpu, sysfs)
-        self.port = int(port or os.environ.get(ENV_PORT) or 1)
+        self.device = choose_nic(names, device, gpu, sysfs)
+        self.port = port or 1
         self._ctx = pv.Context(name=self.device)
         self._check_port()
-        if gid_index is None and os.environ.get(ENV_GID_INDEX):
-            gid_index = int(os.environ[ENV_GID_INDEX])
         if gid_index is None:
             gid_index = pick_gid_index(self.device, self.port, sysfs)
         self.gid_index = gid_index
@@ -331,13 +218,13 @@ class VerbsTransport(Transport):
         self._recv_cq = pv.CQ(self._ctx, self._cqe, None, None, 0)
         self._scratch = pv.MR(self._pd, 64, self._access)
         self._recv_wr = pv.RecvWR(num_sge=1, sg=[pv.SGE(self._scratch.buf, 0, self._scratch.lkey)])
-        self._rendezvous = _Rendezvous(pv, self._ctx, self._pd, self.port, self.gid_index)
+        self._rendezvous = Rendezvous(pv, self._ctx, self._pd, self.port, self.gid_index)
         self._regions: dict[str, _Region] = {}
         self._peers: dict[str, _Peer] = {}
         self._by_qpn: dict[int, _Peer] = {}  # our sending QPs
-        self._accepted: dict[tuple[str, int, int, str], dict[str, Any]] = {}  # request -> reply
+        self._accepted: dict[tuple[str, int, int, str], Reply] = {}  # Request.key -> reply
         self._receiving: dict[int, Any] = {}  # QPs that peers write into, by number
-        self._replies: dict[int, dict[str, Any]] = {}
+        self._replies: dict[int, Reply] = {}  # by request id
         self._conns = 0
         self._out = Polled()
         self._lock = threading.RLock()
@@ -354,16 +241,6 @@ class VerbsTransport(Transport):
     def _access(self) -> int:
         e = self._pv.e
         return int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-
-    def _choose_device(
-        self, names: list[str], wanted: str | None, gpu: int | None, sysfs: Path
-    ) -> str:
-        if wanted:
-            if wanted not in names:
-                raise TransportError(f"verbs device {wanted!r} not found; devices: {names}")
-            return wanted
-        bus_id = gpu_pci_bus_id(gpu) if gpu is not None and len(names) > 1 else None
-        return nearest_nic(bus_id, names, sysfs) if bus_id else names[0]
 
     def _check_port(self) -> None:
         attr = self._ctx.query_port(self.port)
@@ -386,7 +263,7 @@ class VerbsTransport(Transport):
         if not gid.strip("0:"):
             raise TransportError(
                 f"verbs: GID index {self.gid_index} of {self.device} port {self.port} is empty "
-                f"(unset {ENV_GID_INDEX} to pick one)"
+                f"(leave hw.verbs.gid_index unset to pick one)"
             )
         return gid
 
@@ -403,21 +280,13 @@ class VerbsTransport(Transport):
         attr.qp_access_flags, attr.port_num, attr.pkey_index = self._access, self.port, 0
         return pv.QP(self._pd, init, attr)  # returned in INIT
 
-    def _to_rts(self, qp: Any, gid: str, qpn: int, rq_psn: int, sq_psn: int, mtu: int) -> None:
-        """INIT -> RTR -> RTS towards the remote QP `qpn` at `gid`."""
-        pv = self._pv
-        attr = pv.QPAttr()
-        attr.qp_access_flags, attr.port_num, attr.pkey_index = self._access, self.port, 0
-        attr.path_mtu = min(self._mtu, mtu)
-        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = qpn, rq_psn, sq_psn
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.timeout = self.ack_timeout
-        attr.retry_cnt = 6  # rxe takes 7 as "retry forever", which would hide a dead peer
-        attr.rnr_retry = 7  # forever: a receiver that is slow to repost receives only stalls us
-        route = pv.GlobalRoute(dgid=pv.GID(gid), sgid_index=self.gid_index)
-        attr.ah_attr = pv.AHAttr(port_num=self.port, is_global=1, gr=route, dlid=0)
-        qp.to_rts(attr)
+    def _to_rts(self, qp: Any, gid: str, remote: Request | Reply, sq_psn: int) -> None:
+        """INIT -> RTR -> RTS towards the `remote` end's QP at `gid`."""
+        attrs = rts_attrs(
+            access=self._access, port=self.port, local_mtu=self._mtu, remote=remote,
+            sq_psn=sq_psn, ack_timeout=self.ack_timeout,
+        )  # fmt: skip
+        to_rts(self._pv, qp, attrs, gid, self.port, self.gid_index)
 
     # --- Transport -------------------------------------------------------------------------
     def register(self, region: str, buffer: Any) -> Descriptor:
@@ -460,10 +329,7 @@ class VerbsTransport(Transport):
 
     def local_info(self) -> dict[str, Any]:
         """Where peers send connection requests: our GID and rendezvous (UD) QP number."""
-        return {
-            "wire": "verbs", "endpoint": self.endpoint, "device": self.device,
-            "port": self.port, "gid": self.gid, "ud_qpn": self._rendezvous.qp.qp_num,
-        }  # fmt: skip
+        return local_info(self.endpoint, self.device, self.port, self.gid, self._rendezvous.qpn)
 
     def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
         """Open a QP to `peer` (a request over its rendezvous QP, answered by its thread)."""
@@ -472,8 +338,7 @@ class VerbsTransport(Transport):
             if d.wire != "verbs":
                 raise TransportError(f"verbs: region {d.region!r} of {peer!r} is a {d.wire} one")
             remote[d.region] = _Remote(int(d.info["addr"]), int(d.info["rkey"]), d.nbytes)
-        if info.get("wire") != "verbs":
-            raise TransportError(f"verbs: {peer!r} sent connection data of {info.get('wire')!r}")
+        gid, _ = peer_address(peer, info)  # before any QP is made
         with self._lock:
             old = self._peers.get(peer)
             self._check_open()
@@ -483,60 +348,56 @@ class VerbsTransport(Transport):
             qp, psn = self._new_qp(1), random.randrange(1 << 24)
             self._conns += 1
             conn = self._conns
-        request = {
-            "t": "req", "id": conn, "endpoint": self.endpoint, "gid": self.gid,
-            "ud_qpn": self._rendezvous.qp.qp_num, "qpn": qp.qp_num, "psn": psn, "mtu": self._mtu,
-        }  # fmt: skip
+        request = Request(
+            conn, self.endpoint, self.gid, self._rendezvous.qpn, qp.qp_num, psn, self._mtu
+        )
         reply = self._request(peer, info, request, qp)
         with self._lock:
-            self._to_rts(qp, info["gid"], reply["qpn"], reply["psn"], psn, reply["mtu"])
+            self._to_rts(qp, gid, reply, psn)
             if old is not None:
                 self._retire(old)
             self._peers[peer] = self._by_qpn[qp.qp_num] = _Peer(peer, dict(info), qp, conn, remote)
 
-    def _request(self, peer: str, info: dict[str, Any], req: dict[str, Any], qp: Any) -> Any:
+    def _request(self, peer: str, info: dict[str, Any], req: Request, qp: Any) -> Reply:
         """Send `req` every 0.2 s until the peer's thread replies; TransportError on timeout."""
+        gid, ud_qpn = peer_address(peer, info)
         deadline = time.monotonic() + self.connect_timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                self._rendezvous.send(req, info["gid"], int(info["ud_qpn"]))
+                self._rendezvous.send(req, gid, ud_qpn)
             resend = time.monotonic() + 0.2
             while time.monotonic() < resend:
                 with self._lock:
-                    reply = self._replies.pop(req["id"], None)
-                if reply is not None and "error" in reply:
+                    reply = self._replies.pop(req.id, None)
+                if reply is not None and reply.error:
                     qp.close()
-                    raise TransportError(
-                        f"verbs: peer {peer!r} refused to connect: {reply['error']}"
-                    )
+                    raise TransportError(f"verbs: peer {peer!r} refused to connect: {reply.error}")
                 if reply is not None:
                     return reply
                 time.sleep(0.001)
         qp.close()
         raise TransportError(
             f"verbs: peer {peer!r} never connected within {self.connect_timeout_s:g} s (no reply "
-            f"from its endpoint {info.get('endpoint')!r} at {info['gid']}, UD QP "
-            f"{info['ud_qpn']}): is it running, with an ACTIVE port on the same network?"
+            f"from its endpoint {info.get('endpoint')!r} at {gid}, UD QP "
+            f"{ud_qpn}): is it running, with an ACTIVE port on the same network?"
         )
 
-    def _accept(self, req: dict[str, Any]) -> None:
+    def _accept(self, req: Request) -> None:
         """A peer's connection request: a receiving QP towards its QP, then our reply."""
-        key = (str(req["gid"]), int(req["qpn"]), int(req["psn"]), str(req["endpoint"]))
-        reply = self._accepted.get(key)
+        reply = self._accepted.get(req.key)
         if reply is None:  # not a resent request
-            reply = {"t": "rep", "id": req["id"]}
             try:
                 qp, psn = self._new_qp(self.rq_depth), random.randrange(1 << 24)
                 for _ in range(self.rq_depth):
                     qp.post_recv(self._recv_wr)
-                self._to_rts(qp, key[0], key[1], int(req["psn"]), psn, int(req["mtu"]))
+                self._to_rts(qp, req.gid, req, psn)
             except (TransportError, self._pv.Error) as ex:
-                reply["error"] = str(ex)[:400]  # a datagram holds one MTU
+                reply = Reply.refusal(req.id, str(ex))
             else:
-                reply |= {"qpn": qp.qp_num, "psn": psn, "mtu": self._mtu}
+                reply = Reply(req.id, qp.qp_num, psn, self._mtu)
                 self._receiving[qp.qp_num] = qp
-                self._accepted[key] = reply
-        self._rendezvous.send(reply, key[0], int(req["ud_qpn"]))
+                self._accepted[req.key] = reply
+        self._rendezvous.send(reply, req.gid, req.ud_qpn)
 
     def _retire(self, p: _Peer) -> None:
         self._by_qpn.pop(p.qp.qp_num, None)
@@ -681,14 +542,14 @@ class VerbsTransport(Transport):
         busy = False
         for msg in self._rendezvous.receive():
             busy = True
-            if msg.get("t") == "req":
+            if isinstance(msg, Request):
                 self._accept(msg)
-            elif msg.get("t") == "rep":
-                self._replies[int(msg["id"])] = msg
-        for wc in _drain(self._send_cq):
+            else:
+                self._replies[msg.id] = msg
+        for wc in drain(self._send_cq):
             busy = True
             self._on_send(wc)
-        for wc in _drain(self._recv_cq):
+        for wc in drain(self._recv_cq):
             busy = True
             self._on_recv(wc)
         for p in self._peers.values():
