@@ -3,20 +3,19 @@
     python benchmarks/control_hop.py --out DIR                  # any machine, no GPU
     python benchmarks/control_hop.py --prompts 16,2048 --count 50 --out DIR
 
-gpu_ttft.py's hops table shows a request taking 0.6-0.8 ms to cross one ZeroMQ hop between
-the servers on an H200 host, where encoding and decoding a 2k-token prompt take about 70 us.
-This times the hop alone: a sender process sends `Submit` messages (the same encoding as the
-servers'), spaced so that the receiver idles between them as a server does between requests;
-the receiver stamps each on arrival, after decoding it. Both share the host's clock. For each
-prompt length, the receiver waits as an idle server does (in its poll, up to 2 ms at a time)
-or spins (`DISAGG_SPIN`), with and without a PM QoS request holding the host's cores out of
-deep idle states (`DISAGG_CPU_LATENCY_US=0`, if the host allows it); over ZeroMQ on loopback
-TCP (the servers' default), over ZeroMQ on a Unix socket (ipc), and, as the floor, the same
-frames over a plain Unix socket read by the receiving thread itself (`raw`: no ZeroMQ I/O
-threads to wake); optionally (`--pin on`) with each side's thread and its ZeroMQ I/O thread
-pinned to one core of their own. Each case runs in two fresh processes. Writes control_hop.md
-and control_hop.json into --out: the median and 90th percentile one-way time of each case.
-"""
+gpu_ttft.py's hops table times each hop inside a run, where a hop costs far more than encoding
+and decoding the prompt it carries (docs/results.md). This times the hop alone: a sender process
+sends `Submit` messages (the same encoding as the servers'), spaced so that the receiver idles
+between them as a server does between requests; the receiver stamps each on arrival, after
+decoding it. Both share the host's clock. For each prompt length, the receiver waits as an idle
+server does (in its poll, up to 2 ms at a time) or spins (`DISAGG_SPIN`), with and without a PM
+QoS request holding the host's cores out of deep idle states (`DISAGG_CPU_LATENCY_US=0`, if the
+host allows it); over ZeroMQ on loopback TCP (the servers' default), over ZeroMQ on a Unix
+socket (ipc), and, as the floor, the same frames over a plain Unix socket read by the receiving
+thread itself (`raw`: no ZeroMQ I/O threads to wake); optionally (`--pin on`) with each side's
+thread and its ZeroMQ I/O thread pinned to one core of their own. Each case runs in two fresh
+processes. Writes control_hop.md and control_hop.json into --out: the median and 90th percentile
+one-way time of each case."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ import pandas as pd
 import zmq
 
 from disagg.hw.control import Control, decode, encode
-from disagg.hw.knobs import hold_cpu_latency
+from disagg.hw.latency import hold_cpu_latency
 from disagg.hw.protocol import Submit
 
 BINDS = {"tcp": "tcp://127.0.0.1:*", "ipc": "ipc://{dir}/hop"}

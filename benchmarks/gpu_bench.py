@@ -38,7 +38,6 @@ import torch
 
 from disagg.core.kvcache import pages_for
 from disagg.hw import attention
-from disagg.hw import model as model_mod
 from disagg.hw.attention import (
     FLASHINFER_SHAPES,
     AttnShape,
@@ -167,11 +166,11 @@ def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str,
     t = statistics.median(time_it(partial(runner.step, [seq]), dev, warmup=2, repeats=5))
     flops = prefill_flops(spec, n)
     ceiling = state.get("gemm", {}).get("tflops", float("nan"))
-    fused = _with_fused_ops(dev, lambda: _prefill_fused(runner, seq, dev, flops, ceiling))
+    fused = _with_fused_ops(model, dev, lambda: _prefill_fused(runner, seq, dev, flops, ceiling))
     gemm_s = linear_floor(model, n)
     tflops = flops / t / 1e12
     return {
-        "fused_ops_default": model_mod.FUSED_OPS,
+        "fused_ops_default": model.fused_ops,
         **fused,
         "model": spec.name,
         "layers": spec.layers,
@@ -187,18 +186,20 @@ def prefill(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str,
     }
 
 
-def _with_fused_ops(dev: torch.device, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """fn() with model.FUSED_OPS flipped (CUDA only), its error recorded instead of raised."""
+def _with_fused_ops(
+    model: Transformer, dev: torch.device, fn: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """fn() with the model's fused_ops flipped (CUDA only), its error recorded, not raised."""
     if dev.type != "cuda":
         return {}
-    default = model_mod.FUSED_OPS
-    model_mod.FUSED_OPS = not default
+    default = model.fused_ops
+    model.fused_ops = not default
     try:
         return fn()
     except Exception as e:  # the other setting's figures still stand
         return {"other_ops_error": f"{type(e).__name__}: {e}"}
     finally:
-        model_mod.FUSED_OPS = default
+        model.fused_ops = default
 
 
 def _prefill_fused(
@@ -207,7 +208,7 @@ def _prefill_fused(
     """The same prefill with the other elementwise ops; same token chosen?"""
     t = statistics.median(time_it(partial(runner.step, [seq]), dev, warmup=2, repeats=5))
     mine = runner.step([seq], sample=True).tokens
-    model_mod.FUSED_OPS = not model_mod.FUSED_OPS
+    runner.model.fused_ops = not runner.model.fused_ops
     theirs = runner.step([seq], sample=True).tokens
     return {
         "other_ops_median_s": t,
@@ -257,9 +258,9 @@ def decode(dev: torch.device, sizes: Sizes, state: dict[str, Any]) -> dict[str, 
             }
         except Exception as e:  # one kernel failing (say, a JIT build) leaves the others
             variants[kernel] = {"error": f"{type(e).__name__}: {e}"}
-    other = _with_fused_ops(dev, partial(_decode_step, model, cache, seqs, dev))
+    other = _with_fused_ops(model, dev, partial(_decode_step, model, cache, seqs, dev))
     if "median_s" in other:
-        name = f"{default}+{'torch' if model_mod.FUSED_OPS else 'fused'} ops"
+        name = f"{default}+{'torch' if model.fused_ops else 'fused'} ops"
         variants[name] = other | {
             "gbps": (weights + kv) / other["median_s"] / 1e9,
             "fraction_of_copy": (weights + kv) / other["median_s"] / 1e9 / copy_bw,

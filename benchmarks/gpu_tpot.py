@@ -33,7 +33,7 @@ import pandas as pd
 from disagg.config import build_experiment
 from disagg.core.metrics import read_results
 from disagg.hw.device import resolve_device
-from disagg.hw.driver import HwOptions, run_hw
+from disagg.hw.driver import run_hw
 
 FIELDS = ["tpot_s_p50", "tpot_s_p99", "itl_s_p50", "itl_s_p99", "ttft_s_p50"]  # shown in ms
 MODES = ("colocated", "disagg")
@@ -95,11 +95,9 @@ def measure(args: argparse.Namespace, loads: list[float]) -> None:
     for load in loads:
         for mode in MODES:
             t = time.perf_counter()
-            exp = build_experiment(experiment(args, mode, load))
-            opts = HwOptions(
-                wire=args.wire, prefill_device=pdev, decode_device=ddev, num_pages=args.pages
-            )
-            summary, _ = run_hw(exp, opts, args.out / exp.name)
+            hw = [f"hw.wire={args.wire}", f"hw.prefill_device={pdev}", f"hw.decode_device={ddev}"]
+            exp = build_experiment(experiment(args, mode, load), [*hw, f"kv.pages={args.pages}"])
+            summary, _ = run_hw(exp, args.out / exp.name)
             print(f"{exp.name}: {summary['completed']} requests, {time.perf_counter() - t:.0f} s")
 
 

@@ -13,7 +13,7 @@ transfer (a prefill process and a decode process; on one GPU they share it). Pro
 first request of each run is a warm-up and is left out. TTFT is measured by the driver's wall
 clock from arrival to the first token.
 
-The target (issues 4 and 6): layer-wise disaggregated TTFT within one layer's transfer plus
+The target: layer-wise disaggregated TTFT within one layer's transfer plus
 one decode step of colocated. One layer's transfer is that layer's KV bytes at the bandwidth of
 a plain copy from the prefill device to the decode device measured here (a peer copy on two
 GPUs); the decode step is the colocated run's median batch-1 decode pass at that prompt length
@@ -35,7 +35,7 @@ import pandas as pd
 from disagg.config import build_experiment
 from disagg.core.metrics import queue_parts, read_results
 from disagg.hw.device import copy_seconds, resolve_device
-from disagg.hw.driver import HwOptions, run_hw
+from disagg.hw.driver import run_hw
 from disagg.models import get_model
 
 REPEATS = int(os.environ.get("DISAGG_REPEATS", "3"))
@@ -178,15 +178,15 @@ def main() -> None:
     decode_step: dict[str, dict[int, float]] = {}
     for label, (mode, policy, handoff) in runs.items():
         t = time.perf_counter()
-        exp = build_experiment(experiment(args.model, mode, policy, tpath, max(prompts), handoff))
-        opts = HwOptions(
-            wire=args.wire,
-            prefill_device=pdev,
-            decode_device=ddev,
-            num_pages=args.pages,
-            drain_timeout_s=120.0,  # one request at a time: a lost one is an error, named, soon
-        )
-        summary, _ = run_hw(exp, opts, args.out / label)
+        settings = [
+            f"hw.wire={args.wire}",
+            f"hw.prefill_device={pdev}",
+            f"hw.decode_device={ddev}",
+            f"kv.pages={args.pages}",
+            "hw.drain_timeout_s=120",  # one request at a time: a lost one is an error, named, soon
+        ]
+        data = experiment(args.model, mode, policy, tpath, max(prompts), handoff)
+        summary, _ = run_hw(build_experiment(data, settings), args.out / label)
         req, steps, _, _ = read_results(args.out / label)
         hops = pd.read_parquet(args.out / label / "hops.parquet")
         req = req.iloc[1:]  # no warm-up

@@ -258,13 +258,27 @@ def _hw_missing() -> None:
         ) from None
 
 
-Wire = Annotated[str, typer.Option(help="KV wire: tcp, cuda (GPUs of one host) or verbs")]
+Wire = Annotated[
+    str | None, typer.Option(help="KV wire (hw.wire): tcp, cuda (GPUs of one host) or verbs")
+]
 Attention = Annotated[
-    str,
+    str | None,
     typer.Option(
-        help="auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer, or flashinfer:KERNEL "
-        "with KERNEL the GQA decode kernel: fa2 (default), cuda-cores, fa3"
+        help="hw.attention: auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer, or "
+        "flashinfer:KERNEL with KERNEL the GQA decode kernel: fa2 (default), cuda-cores, fa3"
     ),
+]
+
+
+def _flag_overrides(**flags: Any) -> list[str]:
+    """`--set` overrides for the flags given (None: not given), each named by its field's path
+    with `__` for `.` (hw__wire -> hw.wire=...)."""
+    return [f"{k.replace('__', '.')}={v}" for k, v in flags.items() if v is not None]
+
+
+Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N")]
+Pages = Annotated[
+    int | None, typer.Option(help="KV pages per server (kv.pages; default 512 on hw)")
 ]
 
 
@@ -276,42 +290,46 @@ def hw_run(
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Result directory")] = None,
     set_: Overrides = None,
-    wire: Wire = "tcp",
-    prefill_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
-    decode_device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
-    pages: Annotated[int, typer.Option(help="KV pages per server")] = 512,
+    wire: Wire = None,
+    prefill_device: Device = None,
+    decode_device: Device = None,
+    pages: Pages = None,
     external: Annotated[
         list[str] | None,
         typer.Option(
             help="A server started elsewhere with `disagg hw serve` (e.g. decode0): not spawned"
         ),
     ] = None,
-    bind: Annotated[str, typer.Option(help="Driver control socket")] = "tcp://127.0.0.1:*",
-    attention: Attention = "auto",
+    bind: Annotated[str | None, typer.Option(help="Driver control socket (hw.bind)")] = None,
+    attention: Attention = None,
     silent_after_s: Annotated[
-        float, typer.Option(help="A server not heard from this long is stuck: an error")
-    ] = 30.0,
+        float | None,
+        typer.Option(
+            help="A server not heard from this long is stuck: an error (hw.silent_after_s)"
+        ),
+    ] = None,
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
-    on local devices, the workload replayed in real time; writes the same tables as sim run."""
+    on local devices, the workload replayed in real time; writes the same tables as sim run.
+    Every flag sets a field of the experiment's [hw] (or [kv]) table, recorded in the run's
+    experiment.json."""
     _hw_missing()
     from disagg.config import load_experiment
-    from disagg.hw.driver import HwOptions, run_hw
+    from disagg.hw.driver import run_hw
 
-    exp = load_experiment(experiment, set_)
-    out = out or Path("runs") / f"hw-{exp.name}"
-    opts = HwOptions(
-        wire=wire,
-        prefill_device=prefill_device,
-        decode_device=decode_device,
-        num_pages=pages,
-        attention=attention,
-        external=tuple(external or ()),
-        bind=bind,
-        silent_after_s=silent_after_s,
+    flags = _flag_overrides(
+        hw__wire=wire,
+        hw__prefill_device=prefill_device,
+        hw__decode_device=decode_device,
+        kv__pages=pages,
+        hw__bind=bind,
+        hw__attention=attention,
+        hw__silent_after_s=silent_after_s,
     )
+    exp = load_experiment(experiment, [*(set_ or []), *flags])
+    out = out or Path("runs") / f"hw-{exp.name}"
     with _progress("{task.completed}/{task.total} requests") as bar:
-        task = bar.add_task(f"{exp.name} (hw, {wire})", total=None)
+        task = bar.add_task(f"{exp.name} (hw, {exp.hw.wire})", total=None)
         if external:
             console.print(
                 f"waiting for {', '.join(external)}: start them with disagg hw serve "
@@ -322,7 +340,7 @@ def hw_run(
             bar.update(task, completed=done, total=total)
 
         try:
-            summary, _ = run_hw(exp, opts, out, progress)
+            summary, _ = run_hw(exp, out, progress, external=tuple(external or ()))
         except KeyboardInterrupt:
             console.print("interrupted: servers stopped")
             raise typer.Exit(130) from None
@@ -340,39 +358,32 @@ def hw_serve(
     ] = None,
     set_: Overrides = None,
     index: Annotated[int, typer.Option(help="Node index within its role")] = 0,
-    wire: Wire = "tcp",
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
-    pages: Annotated[int, typer.Option(help="KV pages")] = 512,
+    wire: Wire = None,
+    device: Device = None,
+    pages: Pages = None,
     bind: Annotated[str, typer.Option(help="Control socket to bind")] = "tcp://127.0.0.1:*",
-    attention: Attention = "auto",
+    attention: Attention = None,
 ) -> None:
     """Start one server for a multi-host run (see docs/hardware.md); it runs until the driver
-    says stop."""
+    says stop. Give it the driver's experiment and settings."""
     _hw_missing()
     from disagg.config import load_experiment
     from disagg.hw.attention import parse_attention
-    from disagg.hw.node import serve
+    from disagg.hw.driver import hw_experiment
     from disagg.hw.protocol import NodeConfig
+    from disagg.hw.serve import serve
 
     if role not in ("prefill", "decode", "colocated"):
         from disagg.errors import ConfigError
 
         raise ConfigError(f"--role {role!r}: use prefill, decode or colocated")
-    parse_attention(attention)
-    exp = load_experiment(experiment, set_)
-    serve(
-        NodeConfig(
-            role,
-            index,
-            exp.model_dump(mode="json"),
-            device,
-            wire,
-            pages,
-            driver,
-            bind,
-            attention=attention,
-        )
+    side = "prefill" if role == "prefill" else "decode"
+    flags = _flag_overrides(
+        hw__wire=wire, kv__pages=pages, hw__attention=attention, **{f"hw__{side}_device": device}
     )
+    exp = hw_experiment(load_experiment(experiment, [*(set_ or []), *flags]))
+    parse_attention(exp.hw.attention)
+    serve(NodeConfig(role, index, exp.model_dump(mode="json"), driver, bind))
 
 
 @hw_app.command("profile")
@@ -382,7 +393,7 @@ def hw_profile(
     layers: Annotated[int | None, typer.Option(help="Cut the model to N layers")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cuda",
     out: Annotated[Path, typer.Option(help="CSV to write")] = Path("runs/profile.csv"),
-    attention: Attention = "auto",
+    attention: Attention = None,
 ) -> None:
     """Measure prefill and decode step times on the local device: a table the simulator's cost
     model loads with cost.source = "profile:FILE"."""
@@ -391,6 +402,7 @@ def hw_profile(
     from disagg.hw.profile import profile
     from disagg.models import get_model
 
+    attention = attention or "auto"
     parse_attention(attention)
     spec = get_model(model)
     df = profile(spec, layers or spec.layers, device=device, attention=attention)

@@ -16,10 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from disagg.core.policies import LeastLoadedConfig, RouterConfig, SchedulerConfig, scheduler_for
 from disagg.core.workload import LengthDist, WorkloadConfig
 from disagg.errors import ConfigError
 from disagg.hardware import GPU, NIC, Node, get_gpu, get_nic
 from disagg.models import ModelSpec, get_model
+from disagg.settings import HwConfig, environment_overrides
 
 
 class _Frozen(BaseModel):
@@ -83,6 +85,7 @@ class GroupConfig(_Frozen):
     dp: int = Field(default=1, ge=1)  # data-parallel attention groups per node
     max_batch: int = Field(default=256, ge=1)  # sequences per forward pass
     token_budget: int = Field(default=8192, ge=1)  # tokens per forward pass (chunked prefill)
+    scheduler: SchedulerConfig | None = None  # batch policy; None: the role's default
 
     @property
     def gpus_per_node(self) -> int:
@@ -94,7 +97,14 @@ class ClusterConfig(_Frozen):
     colocated: GroupConfig = GroupConfig(nodes=4)
     prefill: GroupConfig = GroupConfig(nodes=1)
     decode: GroupConfig = GroupConfig(nodes=3)
-    router: Literal["round_robin", "least_loaded"] = "least_loaded"
+    router: RouterConfig = LeastLoadedConfig()  # a policy name or a [cluster.router] table
+
+    @model_validator(mode="after")
+    def _scheduler_roles(self) -> ClusterConfig:
+        groups = {"colocated": self.colocated, "prefill": self.prefill, "decode": self.decode}
+        for role, group in groups.items():  # used in this mode or not: each names its role
+            scheduler_for(role, group.scheduler)
+        return self
 
     @property
     def groups(self) -> dict[str, GroupConfig]:
@@ -112,6 +122,9 @@ class KVConfig(_Frozen):
     layout: Literal["HND", "NHD"] = "HND"
     memory_fraction: float = Field(default=0.9, gt=0, le=1)  # of HBM for weights + KV
     activation_reserve_gb: float = Field(default=8.0, ge=0)  # per GPU, for activations/graphs
+    # KV pages per node, in both backends; None: the simulator fills the HBM that weights and
+    # the reserve leave, and a hardware run takes settings.HW_PAGES (and records that number)
+    pages: int | None = Field(default=None, ge=1)
 
 
 class TransferConfig(_Frozen):
@@ -180,7 +193,12 @@ class Experiment(_Frozen):
     spec: SpecConfig = SpecConfig()
     cost: CostConfig = CostConfig()
     workload: WorkloadConfig = DEFAULT_WORKLOAD
+    hw: HwConfig = HwConfig()  # how `disagg hw run` runs it (the simulator ignores it)
     base_dir: str = "."  # where relative paths (traces, profiles) resolve; set by the loader
+
+    def updated(self, *overrides: str) -> Experiment:
+        """This experiment with `key.path=value` overrides applied (as `--set` applies them)."""
+        return _override(self, list(overrides), f"experiment {self.name!r} with {overrides}")
 
     @model_validator(mode="after")
     def _parallelism(self) -> Experiment:
@@ -229,17 +247,26 @@ def parse_override(text: str) -> tuple[str, Any]:
 def build_experiment(
     data: dict[str, Any], overrides: list[str] | None = None, source: str = "<built-in>"
 ) -> Experiment:
-    """Validate a parsed experiment table, then apply `overrides` to the complete result (so
-    an override changes one value and keeps every other, defaults included)."""
+    """Validate a parsed experiment table, then apply the environment's overrides (the
+    `DISAGG_*` variables of disagg.settings) and `overrides`, in that order, each to the
+    complete result (so an override changes one value and keeps every other, defaults
+    included)."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
     data.setdefault("workload", DEFAULT_WORKLOAD.model_dump(exclude_none=True))
     exp = _validate(data, source)
-    if not overrides:
-        return exp
+    env = environment_overrides()
+    if env:
+        exp = _override(exp, list(env.values()), f"{source} with environment {' '.join(env)}")
+    if overrides:
+        exp = _override(exp, overrides, f"{source} with --set {' '.join(overrides)}")
+    return exp
+
+
+def _override(exp: Experiment, overrides: list[str], source: str) -> Experiment:
     full = exp.model_dump(mode="json", exclude_none=True)
     for text in overrides:
         set_path(full, *parse_override(text))
-    return _validate(full, f"{source} with --set {' '.join(overrides)}")
+    return _validate(full, source)
 
 
 def _validate(data: dict[str, Any], source: str) -> Experiment:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from disagg.config import Experiment, load_experiment, parse_override
+from disagg.core.policies import ChunkedConfig, FcfsConfig, LeastLoadedConfig, RoundRobinConfig
 from disagg.errors import ConfigError
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -16,6 +17,43 @@ def test_default_experiment_is_r1_one_prefill_three_decode() -> None:
     assert exp.model.name == "deepseek-r1" and exp.cluster.mode == "disagg"
     assert (exp.cluster.prefill.nodes, exp.cluster.decode.nodes) == (1, 3)
     assert exp.cluster.total_gpus == 32
+
+
+def test_default_cluster_is_unchanged_but_for_the_typed_router() -> None:
+    group = {"tp": 8, "dp": 1, "max_batch": 256, "token_budget": 8192, "scheduler": None}
+    assert Experiment().cluster.model_dump() == {
+        "mode": "disagg",
+        "colocated": {"nodes": 4, **group},
+        "prefill": {"nodes": 1, **group},
+        "decode": {"nodes": 3, **group},
+        "router": {"name": "least_loaded"},
+    }
+    assert Experiment().cluster.router == LeastLoadedConfig()
+
+
+def test_policies_are_chosen_by_name_in_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "e.toml"
+    f.write_text(
+        '[cluster]\nmode = "colocated"\n'
+        '[cluster.colocated.scheduler]\nname = "chunked"\n'
+        '[cluster.decode]\nscheduler = "fcfs"\n'  # a name alone is a table with defaults
+        '[cluster.router]\nname = "round_robin"\n'
+    )
+    c = load_experiment(f).cluster
+    assert (c.colocated.scheduler, c.decode.scheduler) == (ChunkedConfig(), FcfsConfig())
+    assert c.router == RoundRobinConfig() and c.prefill.scheduler is None
+
+
+def test_router_names_as_plain_strings_still_load(tmp_path: Path) -> None:
+    f = tmp_path / "e.toml"
+    f.write_text('[cluster]\nrouter = "round_robin"\n')
+    assert load_experiment(f).cluster.router == RoundRobinConfig()
+    exp = load_experiment(EXPERIMENTS / "r1-disagg-1p3d.toml", ["cluster.router=round_robin"])
+    assert exp.cluster.router == RoundRobinConfig()
+    run = tmp_path / "run"  # a run's experiment.json, written as the CLI does, reads back
+    run.mkdir()
+    (run / "experiment.json").write_text(exp.model_dump_json(indent=2))
+    assert load_experiment(run).cluster == exp.cluster
 
 
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.name)
@@ -53,6 +91,28 @@ def test_parse_override_values() -> None:
         ("kv.layout=HDN", "kv.layout: Input should be 'HND' or 'NHD'"),
         ("cost.source=magic", "use 'roofline' or 'profile:PATH'"),
         ("cluster.nodes=4", "cluster.nodes: Extra inputs are not permitted"),
+        (
+            "cluster.prefill.scheduler.name=chunked",
+            "cluster.prefill.scheduler.name: 'chunked' schedules colocated nodes, not prefill; "
+            "prefill policies: fifo",
+        ),
+        (
+            "cluster.colocated.scheduler=fcfs",
+            "cluster.colocated.scheduler.name: 'fcfs' schedules decode nodes, not colocated; "
+            "colocated policies: chunked",
+        ),
+        (
+            "cluster.decode.scheduler.name=lifo",
+            "cluster.decode.scheduler: unknown scheduler policy 'lifo'; known: fifo, fcfs, chunked",
+        ),
+        (
+            "cluster.router=random",
+            "cluster.router: unknown router 'random'; known: round_robin, least_loaded",
+        ),
+        (
+            "cluster.router.seed=3",
+            "cluster.router: router 'least_loaded': seed: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_value(override: str, message: str) -> None:

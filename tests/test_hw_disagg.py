@@ -12,7 +12,6 @@ import json
 import os
 import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -25,12 +24,11 @@ import torch
 
 from disagg.config import build_experiment
 from disagg.core.metrics import queue_parts
-from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
-from disagg.hw import knobs, node
+from disagg.hw import latency, node
 from disagg.hw.batch import Seq
 from disagg.hw.decode import ColocatedServer, DecodeServer
-from disagg.hw.driver import HwOptions, HwRun, run_hw
+from disagg.hw.driver import HwRun, run_hw
 from disagg.hw.prefill import PrefillServer
 
 
@@ -68,8 +66,8 @@ def tiny_file(tmp_path: Path, **workload: int) -> Path:
 
 
 def run(tmp_path: Path, name: str, data: dict) -> tuple[dict, HwRun]:
-    exp = build_experiment(data)
-    return run_hw(exp, HwOptions(wire="tcp", num_pages=128, return_logits=True), tmp_path / name)
+    exp = build_experiment(data, ["hw.wire=tcp", "kv.pages=128"])
+    return run_hw(exp, tmp_path / name, return_logits=True)
 
 
 @pytest.fixture(scope="module", params=["tiny-gqa", "tiny-mla"])
@@ -80,84 +78,98 @@ def colocated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return model, state.finished
 
 
+def decode_server(*overrides: str) -> DecodeServer:
+    """A real decode server of the tiny model on this CPU, not started: its control socket is
+    connected to a driver and a prefill server that are not there (messages queue unsent)."""
+    from disagg.hw.protocol import NodeConfig
+
+    data = experiment("tiny-gqa", "disagg", "HND", 64)
+    exp = build_experiment(data, ["kv.pages=64", *overrides]).model_dump(mode="json")
+    server = DecodeServer(NodeConfig("decode", 0, exp, "tcp://127.0.0.1:1"))
+    server.control.connect("prefill0", "tcp://127.0.0.1:2")
+    return server
+
+
+def submit(server: DecodeServer, req_id: int, tokens: int = 40) -> None:
+    from disagg.hw.protocol import Submit
+
+    server.on_message(Submit(req_id, 0.0, tuple(range(tokens)), 4))
+
+
 @pytest.mark.parametrize("spin", [False, True])
-def test_idle_servers_wait_in_their_poll_unless_told_to_spin(
-    spin: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An idle server waits up to 2 ms for a message (which wakes it at once). A decoder with
-    KV inbound over a wire without a wake-up fd polls every 200 us instead; with DISAGG_SPIN
-    every server polls without waiting."""
-    monkeypatch.setattr(knobs, "SPIN", spin)
-    for role in (PrefillServer, ColocatedServer):
-        assert object.__new__(role).idle_wait_s() == (0.0 if spin else 0.002)
-    decoder = object.__new__(DecodeServer)
-    for inbound, wake_fd, want in (
-        ({}, None, 0.002),
-        ({0: "kv"}, 7, 0.002),
-        ({0: "kv"}, None, 200e-6),
-    ):
-        decoder.messenger = SimpleNamespace(inbound=inbound)
-        decoder.wake_fd = wake_fd
-        assert decoder.idle_wait_s() == (0.0 if spin else want)
+def test_an_idle_server_waits_in_its_poll_unless_told_to_spin(spin: bool) -> None:
+    """A turn of an idle server's loop waits up to 2 ms for a control message (which wakes it
+    at once); one whose KV is inbound over a wire without a wake-up fd (here: none announced)
+    polls every 200 us; with hw.latency.spin every turn polls without waiting."""
+    from disagg.hw.transport import make_transport
+
+    server = decode_server(f"hw.latency.spin={str(spin).lower()}")
+    server.wire = make_transport("tcp", endpoint="decode0")  # its wake-up fd left unused
+    waits: list[float] = []
+    recv = server.control.recv
+    server.control.recv = lambda t, fd=None: waits.append(t) or recv(0.0, fd)  # type: ignore[method-assign]
+    try:
+        server.tick()
+        submit(server, 1)
+        assert len(server.role.messenger.inbound) == 1
+        server.tick()
+    finally:
+        server.wire.close()
+        server.control.close()
+    assert waits == ([0.0, 0.0] if spin else [0.002, 200e-6])
 
 
 def test_cpu_latency_is_held_when_asked_and_a_refusal_is_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """DISAGG_CPU_LATENCY_US writes its microseconds as one int32 to the PM QoS file and
-    keeps it open; a host without it (or without the right) is told, and the server runs on."""
-    monkeypatch.setitem(knobs._cpu_latency, "held", "not asked")  # this process's, restored after
+    """hw.latency.cpu_latency_us writes its microseconds as one int32 to the PM QoS file and
+    keeps it open; a host without it (or without the right) is told, and the server runs on.
+    DISAGG_CPU_LATENCY_US sets it, and a bad value is an error naming the variable."""
+    monkeypatch.setitem(latency._cpu_latency, "held", "not asked")  # this process's, restored
     qos = tmp_path / "qos"
     qos.write_bytes(b"")
-    assert knobs.hold_cpu_latency(25, str(qos)) == "25 us"
+    assert latency.hold_cpu_latency(25, str(qos)) == "25 us"
     assert struct.unpack("i", qos.read_bytes()) == (25,)
     missing = tmp_path / "none"
-    said = knobs.hold_cpu_latency(0, str(missing))
+    said = latency.hold_cpu_latency(0, str(missing))
     assert said == f"refused: {missing}: No such file or directory"
     assert said in capsys.readouterr().err
+    assert latency.held()["cpu_latency"] == said
     monkeypatch.setenv("DISAGG_CPU_LATENCY_US", "fast")
-    with pytest.raises(ConfigError, match="DISAGG_CPU_LATENCY_US='fast'"):
-        knobs._cpu_latency_us()
+    with pytest.raises(ConfigError, match=r"DISAGG_CPU_LATENCY_US=fast(.|\n)*cpu_latency_us"):
+        build_experiment({})
     monkeypatch.setenv("DISAGG_CPU_LATENCY_US", " 0 ")
-    assert knobs._cpu_latency_us() == 0
+    assert build_experiment({}).hw.latency.cpu_latency_us == 0
 
 
 @pytest.mark.parametrize("plan_ahead", [True, False])
-def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(
-    plan_ahead: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: bool) -> None:
     """The decoder plans a request's first pass at handoff only when that pass will be its next
     step: the request's KV is inbound, and nothing else runs, is ready or is inbound (and not
-    with DISAGG_PLAN_AHEAD=0). The plan is of the step the decoder will run."""
-    monkeypatch.setattr(knobs, "PLAN_AHEAD", plan_ahead)
-    decoder = object.__new__(DecodeServer)
+    with hw.latency.plan_ahead off). The plan is of the step the decoder will run: the last
+    prompt token, at its position, on the request's pages. (A CPU runner replays no graph, so
+    what it is asked to plan is recorded here; the GPU tests check the plans are used.)"""
+    server = decode_server(f"hw.latency.plan_ahead={str(plan_ahead).lower()}")
     planned: list[list[Seq]] = []
-    decoder.runner = SimpleNamespace(plan_ahead=lambda b: planned.append(b) or True)
-    decoder.pool = SimpleNamespace(pages_of=lambda req_id: [4, 9, 2])
-    decoder.outputs = {1: [], 2: []}
-    req = Request(1, 0.0, 40, 8, prompt=tuple(range(40)))
-    req.status = Status.RESERVED
-    for running, inbound, status, want in (
-        ([], {0: "kv"}, Status.RESERVED, True),
-        ([], {0: "kv", 1: "other"}, Status.RESERVED, False),  # another request inbound
-        (["other"], {0: "kv"}, Status.RESERVED, False),  # another request ready or running
-        ([], {}, Status.READY, False),  # a one-token prompt: ready at once, nothing inbound
-    ):
-        decoder.scheduler = running
-        decoder.messenger = SimpleNamespace(inbound=inbound)
-        req.status = status
-        assert decoder.plan_first_pass(req) is (want and plan_ahead)
-    assert planned == ([[Seq((39,), 39, (4, 9, 2))]] if plan_ahead else [])
+    server.runner.plan_ahead = lambda b: planned.append(list(b)) or True  # type: ignore[method-assign]
+    try:
+        submit(server, 1)  # alone: planned
+        pages = tuple(server.pool.pages_of(1))
+        submit(server, 2)  # another is inbound: not planned
+        submit(server, 3, tokens=1)  # a one-token prompt: ready at once, nothing inbound
+    finally:
+        server.control.close()
+    assert planned == ([[Seq((39,), 39, pages)]] if plan_ahead else [])
 
 
 @pytest.mark.parametrize(
-    ("layout", "budget", "handoff", "policy", "knobs"),
+    ("layout", "budget", "handoff", "policy", "tuned"),
     [
-        ("HND", 8, "decode-first", "layerwise", ""),
-        ("NHD", 1000, "decode-first", "layerwise", ""),
-        ("HND", 8, "parallel", "layerwise", ""),
-        ("HND", 8, "decode-first", "layerwise", "DISAGG_SPIN DISAGG_CPU_LATENCY_US"),
-        ("HND", 8, "parallel", "whole", "DISAGG_META_IN_STREAM"),
+        ("HND", 8, "decode-first", "layerwise", {}),
+        ("NHD", 1000, "decode-first", "layerwise", {}),
+        ("HND", 8, "parallel", "layerwise", {}),
+        ("HND", 8, "decode-first", "layerwise", {"spin": True, "cpu_latency_us": 1}),
+        ("HND", 8, "parallel", "whole", {"meta_in_stream": True}),
     ],
     ids=[
         "HND-chunked",
@@ -173,35 +185,34 @@ def test_disaggregated_equals_colocated(
     budget: int,
     handoff: str,
     policy: str,
-    knobs: str,
+    tuned: dict,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under parallel handoff the driver sends each request to the prefill server too, which
     starts before the decoder's pages are known; the pages and metadata reach the decoder all
-    the same. So they do with the latency options (read by the servers from the environment):
-    servers polling without sleeping, and a pass's last posts made before the host waits for
-    its end (ordered after it on the wire)."""
-    for knob in knobs.split():
-        monkeypatch.setenv(knob, "1")
+    the same. So they do with the latency settings ([hw.latency]): servers polling without
+    sleeping, and a pass's last posts made before the host waits for its end (ordered after it
+    on the wire)."""
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     data["transfer"]["policy"] = policy
+    data["hw"] = {"latency": tuned}
     qos = "/dev/cpu_dma_latency"  # the servers may hold it only where this process could
     held_here = "1 us" if os.access(qos, os.W_OK) else f"refused: {qos}: "
     summary, state = run(tmp_path, "disagg", data)
     finished = state.finished
     submits = {name: r.submits for name, r in state.records.items()}
     assert submits == {"prefill0": 5 if handoff == "parallel" else 0, "decode0": 5}
-    spin, in_stream = "DISAGG_SPIN" in knobs, "DISAGG_META_IN_STREAM" in knobs
-    for r in state.records.values():  # the knobs reached the spawned servers, and took effect
-        assert (r.settings["spin"], r.settings["meta_in_stream"]) == (spin, in_stream)
+    spin = tuned.get("spin", False)
+    for r in state.records.values():  # the settings reached the spawned servers, took effect
         assert r.settings["switch_interval_s"] == pytest.approx(1e-4 if spin else 5e-3)
         held = r.settings["cpu_latency"]  # asked for 1 us; a host may refuse (not as root)
         assert held == "not asked" if not spin else held.startswith(held_here)
     written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
     assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
-    assert written["node_settings"]["decode0"]["spin"] == spin
+    ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
+    assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump()
+    assert ran["kv"]["pages"] == 128
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)
@@ -250,7 +261,7 @@ def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path
 
     data = experiment("tiny-gqa", "disagg", "HND", 8)
     data["workload"] = {**data["workload"], "rate_per_s": 2, "num_requests": 20}
-    driver = Driver(build_experiment(data), HwOptions(wire="tcp", num_pages=128))
+    driver = Driver(build_experiment(data, ["kv.pages=128"]))
     try:
         driver.start()
         driver.procs["prefill0"].kill()
@@ -275,8 +286,7 @@ def test_a_stuck_server_is_an_error_naming_it_and_says_where_its_threads_are(
 
     data = experiment("tiny-gqa", "disagg", "HND", 8)
     data["workload"] = {**data["workload"], "rate_per_s": 2, "num_requests": 20}
-    opts = HwOptions(wire="tcp", num_pages=128, silent_after_s=3.0)
-    driver = Driver(build_experiment(data), opts)
+    driver = Driver(build_experiment(data, ["kv.pages=128", "hw.silent_after_s=3"]))
     try:
         driver.start()
         os.kill(driver.procs["prefill0"].pid, signal.SIGUSR1)
@@ -341,9 +351,7 @@ def test_external_server_started_with_hw_serve(tmp_path: Path) -> None:
     from disagg.hw.driver import Driver
 
     data = experiment("tiny-gqa", "disagg", "HND", 8)
-    driver = Driver(
-        build_experiment(data), HwOptions(wire="tcp", num_pages=128, external=("decode0",))
-    )
+    driver = Driver(build_experiment(data, ["kv.pages=128"]), external=("decode0",))
     exp_file = tiny_file(tmp_path)
     proc = subprocess.Popen(
         [
@@ -486,14 +494,9 @@ def gpu_equals_colocated(
         data["model"]["layers"] = 2
         data["kv"]["page_size"] = 16
         data["workload"]["prompt_tokens"] = {"dist": "uniform", "low": 40, "high": 300}
-        opts = HwOptions(
-            wire="cuda",
-            prefill_device="cuda:0",
-            decode_device=decode_device,
-            num_pages=256,
-            return_logits=True,
-        )
-        summary, state = run_hw(build_experiment(data), opts, tmp_path / mode)
+        data["hw"] = {"wire": "cuda", "prefill_device": "cuda:0", "decode_device": decode_device}
+        data["kv"]["pages"] = 256
+        summary, state = run_hw(build_experiment(data), tmp_path / mode, return_logits=True)
         assert summary["completed"] == 5
         out[mode] = state.finished
         if mode == "disagg":  # an idle decoder plans a request's first pass while KV is inbound
@@ -529,11 +532,11 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     data = experiment("tiny-gqa", "disagg", "HND", 8)
     data["model"]["name"] = "llama-3.1-70b"  # 280 GB of float32 weights on this CPU
     with pytest.raises(TransportError, match=r"llama-3.1-70b weights \(80 layers\) needs"):
-        run_hw(build_experiment(data), HwOptions(wire="tcp", num_pages=16), tmp_path / "x")
+        run_hw(build_experiment(data, ["kv.pages=16"]), tmp_path / "x")
     data = experiment("tiny-gqa", "disagg", "HND", 8)
     data["cluster"]["decode"]["tp"] = 2
     with pytest.raises(ConfigError, match=r"cluster\.decode has nodes=1 tp=2 dp=1"):
-        run_hw(build_experiment(data), HwOptions(), tmp_path / "y")
+        run_hw(build_experiment(data), tmp_path / "y")
 
 
 def _free_port() -> int:
@@ -577,7 +580,7 @@ def test_cli_hw_run_waits_for_an_external_server_on_its_bound_socket(tmp_path: P
     ("option", "said"),
     [
         (["--attention", "flashinfer:fa9"], "unknown attention 'flashinfer:fa9'"),
-        (["--silent-after-s", "0"], "silent_after_s must be > 0 s, got 0"),
+        (["--silent-after-s", "0"], "hw.silent_after_s: Input should be greater than 0"),
     ],
 )
 def test_cli_hw_run_rejects_a_bad_option(option: list[str], said: str) -> None:
@@ -603,35 +606,34 @@ def test_prefill_server_recomputes_an_evicted_early_start() -> None:
 
     data = experiment("tiny-gqa", "disagg", "HND", 64, "parallel")
     data["kv"]["page_size"] = 16
-    exp = build_experiment(data).model_dump(mode="json")
-    server = PrefillServer(NodeConfig("prefill", 0, exp, "cpu", "tcp", 4, "tcp://127.0.0.1:1"))
+    exp = build_experiment(data, ["kv.pages=4"]).model_dump(mode="json")
+    server = PrefillServer(NodeConfig("prefill", 0, exp, "tcp://127.0.0.1:1"))
     try:
         server.control.connect("decode0", "tcp://127.0.0.1:2")  # messages queue, unsent
         a, b = tuple(range(40)), tuple(range(100, 140))  # 39 tokens each: 3 of the 4 pages
         server.on_message(Submit(1, 0.0, a, 4))
-        assert [r.id for r, _ in server.scheduler.queue] == [1]
+        role = server.role
+        assert [r.id for r, _ in role.scheduler.queue] == [1]  # type: ignore[attr-defined]
         server.on_message(m.PrefillRequest(2, 0, 0, 40, (0, 1, 2), 0, b))  # pages known
-        assert server.messenger.evicted == 1 and list(server.messenger.parked) == [1]
-        assert [r.id for r, _ in server.scheduler.queue] == [2]
+        assert role.messenger.evicted == 1 and list(role.messenger.parked) == [1]
+        assert [r.id for r, _ in role.scheduler.queue] == [2]  # type: ignore[attr-defined]
         server.on_message(m.PrefillRequest(1, 1, 0, 40, (3, 4, 5), 0, (), True))  # A's pages
         server.on_message(m.CancelTransfer(2, "cancelled by the test"))  # B leaves, A starts
-        assert [(r.id, r.prompt) for r, _ in server.scheduler.queue] == [(1, a)]
-        assert list(server.prompts) == [1]  # B's prompt went with it
+        queue = [(r.id, r.prompt) for r, _ in role.scheduler.queue]  # type: ignore[attr-defined]
+        assert queue == [(1, a)]
+        assert list(role.requests) == [1]  # B's prompt went with it
     finally:
         server.watcher.stop()
         server.control.close()
 
 
-def test_servers_that_decode_capture_their_graphs_at_start(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Decode and colocated servers capture the graphs up to their own group's batch limit
-    when they are built (before they report ready); a prefill server captures none."""
+@CUDA
+@pytest.mark.gpu
+def test_servers_that_decode_capture_their_graphs_at_start() -> None:
+    """Decode and colocated servers capture the decode graphs up to their own group's batch
+    limit when they are built (before they report ready); a prefill server captures none."""
     from disagg.hw.protocol import NodeConfig
-    from disagg.hw.runner import Runner
 
-    calls: list[int] = []
-    monkeypatch.setattr(Runner, "capture_up_to", lambda self, limit: calls.append(limit))
     captured = {}
     for role, mode, cls in (
         ("decode", "disagg", DecodeServer),
@@ -641,11 +643,11 @@ def test_servers_that_decode_capture_their_graphs_at_start(
         data = experiment("tiny-gqa", mode, "HND", 64)
         data["cluster"]["decode"]["max_batch"] = 6
         data["cluster"]["colocated"]["max_batch"] = 3
-        exp = build_experiment(data).model_dump(mode="json")
-        calls.clear()
-        server = cls(NodeConfig(role, 0, exp, "cpu", "tcp", 16, "tcp://127.0.0.1:1"))
-        captured[role] = list(calls)
+        data["hw"] = {"prefill_device": "cuda:0", "decode_device": "cuda:0"}
+        exp = build_experiment(data, ["kv.pages=16"]).model_dump(mode="json")
+        server = cls(NodeConfig(role, 0, exp, "tcp://127.0.0.1:1"))
+        captured[role] = server.runner.captured
         if isinstance(server, PrefillServer):
             server.watcher.stop()
         server.control.close()
-    assert captured == {"decode": [6], "colocated": [3], "prefill": []}
+    assert captured == {"decode": [1, 2, 4, 8], "colocated": [1, 2, 4], "prefill": []}

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from disagg.core.kvcache import PageLayout
 from disagg.errors import ConfigError
-from disagg.hw import model as model_mod
 from disagg.hw.batch import Seq
 from disagg.hw.cache import KVCache
 from disagg.hw.device import resolve_device
@@ -155,22 +154,21 @@ def test_three_kernel_rope_equals_the_rotate_half_formula() -> None:
     assert not torch.allclose(got[1:], x[1:])  # it did rotate
 
 
-def test_fused_ops_stay_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_mod, "FUSED_OPS", True)
-    m = Transformer(tiny_gqa(layers=1), seed=0)
+def test_fused_ops_stay_off_the_cpu() -> None:
+    m = Transformer(tiny_gqa(layers=1), seed=0, fused_ops=True)
     assert type(m.ops()) is TorchOps  # FlashInfer's fused kernels are CUDA only
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_ops_give_the_torch_ops_logits_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_ops_give_the_torch_ops_logits_on_gpu() -> None:
     """FlashInfer's RMSNorm, SiLU-and-mul and RoPE against torch's, through two Llama layers:
     same first token, logits within bf16 noise, and the KV they wrote too."""
     m = Transformer(LLAMA_31_8B.with_layers(2), seed=0, device="cuda")
     seqs = [Seq.of(list(range(100, 160)), 0, range(4)), Seq.of(PROMPT, 0, range(4, 5))]
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(model_mod, "FUSED_OPS", fused)
+        m.fused_ops = fused
         cache = m.new_cache(8, 16)
         out[fused] = (m.forward(seqs, cache).logits, cache.layers[1].float())
     (want, kv_want), (got, kv_got) = out[False], out[True]

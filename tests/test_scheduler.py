@@ -1,10 +1,22 @@
-"""Batch policies: chunking under a token budget, decode admission, colocated mixing."""
+"""Batch policies: chunking under a token budget, decode admission, colocated mixing; the
+policy registries that build schedulers and routers by name."""
+
+from dataclasses import dataclass
 
 import pytest
 
+from disagg.config import GroupConfig
 from disagg.core.kvcache import PagePool
+from disagg.core.policies import (
+    SCHEDULERS,
+    FcfsConfig,
+    LeastLoadedConfig,
+    SchedulerPolicy,
+    make_router,
+    make_scheduler,
+)
 from disagg.core.request import Request, Status
-from disagg.core.router import LeastLoaded, RoundRobin, make_router, pick_replica
+from disagg.core.router import LeastLoaded, RoundRobin, pick_replica
 from disagg.core.scheduler import (
     ColocatedScheduler,
     DecodeScheduler,
@@ -110,11 +122,63 @@ def test_routers() -> None:
     assert [rr.pick({}) for _ in range(4)] == [0, 1, 2, 0]
     ll = LeastLoaded([0, 1, 2])
     assert ll.pick({0: 3, 1: 1, 2: 1}) == 1
-    with pytest.raises(ConfigError, match="unknown router"):
-        make_router("random", [0])
     import random
 
     rng = random.Random(5)
     picks = [pick_replica([0, 1, 2, 3], rng) for _ in range(200)]
     assert set(picks) == {0, 1, 2, 3}
     assert picks == [pick_replica([0, 1, 2, 3], r) for r in [random.Random(5)] for _ in range(200)]
+
+
+def test_each_role_defaults_to_its_scheduler_with_the_group_settings() -> None:
+    group, pool = GroupConfig(max_batch=8, token_budget=64), PagePool(100, 16)
+    pre = make_scheduler("prefill", group, pool)
+    assert type(pre) is PrefillScheduler and (pre.token_budget, pre.max_seqs) == (64, 8)
+    dec = make_scheduler("decode", group, pool, tokens_per_step=1.5)
+    assert type(dec) is DecodeScheduler and (dec.max_batch, dec.tokens_per_step) == (8, 1.5)
+    col = make_scheduler("colocated", group, pool, 1.5, decode_qo=3)
+    assert type(col) is ColocatedScheduler and col.pool is pool and col.decode_qo == 3
+    assert (col.prefill.token_budget, col.prefill.max_seqs) == (64, 8)
+    assert (col.decode.max_batch, col.decode.tokens_per_step) == (8, 1.5)
+
+
+@dataclass(frozen=True)
+class Group:  # any object with these three fields will do (core does not import config)
+    scheduler: SchedulerPolicy | None = None
+    max_batch: int = 4
+    token_budget: int = 32
+
+
+def test_a_named_scheduler_is_built_for_its_role_only() -> None:
+    pool = PagePool(10, 16)
+    assert type(make_scheduler("decode", Group(FcfsConfig()), pool)) is DecodeScheduler
+    with pytest.raises(ConfigError) as err:
+        make_scheduler("prefill", Group(FcfsConfig()), pool)
+    assert str(err.value) == (
+        "cluster.prefill.scheduler.name: 'fcfs' schedules decode nodes, not prefill; "
+        "prefill policies: fifo"
+    )
+    with pytest.raises(ConfigError, match="unknown role 'mixed'; known: prefill, decode"):
+        make_scheduler("mixed", Group(), pool)
+
+
+def test_scheduler_registry_names_and_errors() -> None:
+    assert {"fifo", "fcfs", "chunked"} <= set(SCHEDULERS.classes)
+    assert SCHEDULERS.parse("fcfs") == FcfsConfig() == SCHEDULERS.parse({"name": "fcfs"})
+    with pytest.raises(ConfigError, match="unknown scheduler policy 'lifo'; known: fifo, fcfs"):
+        SCHEDULERS.parse("lifo")
+    with pytest.raises(ConfigError, match="'fifo': budget: Extra inputs are not permitted"):
+        SCHEDULERS.parse({"name": "fifo", "budget": 3})
+    with pytest.raises(ConfigError, match="already registered"):
+        SCHEDULERS.register(FcfsConfig)
+
+
+def test_routers_by_name_or_config() -> None:
+    rr = make_router("round_robin", range(3))
+    assert type(rr) is RoundRobin and [rr.pick({}) for _ in range(4)] == [0, 1, 2, 0]
+    ll = make_router(LeastLoadedConfig(), [4, 5])
+    assert type(ll) is LeastLoaded and ll.pick({4: 2.0, 5: 1.0}) == 5
+    with pytest.raises(ConfigError, match="unknown router 'random'; known: round_robin, least_"):
+        make_router("random", [0])
+    with pytest.raises(ConfigError, match="a router needs at least one node"):
+        make_router("round_robin", [])

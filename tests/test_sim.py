@@ -89,7 +89,7 @@ def test_parallel_handoff_under_memory_pressure_evicts_early_starts_and_loses_no
     sim = simulate("qwen3coder-disagg-1p3d.toml", *tight, "transfer.handoff=parallel")
     req = tables(sim)[0]
     assert (req.status == "finished").all() and len(req) == len(sim.arrivals) >= 500
-    assert sim.prefills[0].messenger.evicted > 0
+    assert sim.prefills[0].role.messenger.evicted > 0
     assert (req.ready_s - req.arrival_s).median() > 2.0  # the decoders' queue
 
 
@@ -139,6 +139,28 @@ def test_a_request_that_cannot_fit_fails_with_a_reason_and_nothing_is_lost(hando
     assert req.fail_reason.str.contains("KV pages on decode node").all()
     prefills = steps[steps.node.str.startswith("prefill")]
     assert (len(prefills) > 0) == (handoff == "parallel")  # started, then cancelled
+
+
+def test_a_transfer_past_its_timeout_is_retried_then_fails_with_the_reason_hw_gives() -> None:
+    """A 1 ms timeout against the tiny model's 3 ms passes: every transfer times out, is
+    retried once, then fails. The reason is the core decode role's, which the hw decoder runs
+    too (tests/test_roles.py drives it through the same path)."""
+    sim = simulate("tiny-disagg.toml", "transfer.timeout_s=0.001", "transfer.max_attempts=2")
+    req = tables(sim)[0]
+    long = req[req.prompt_tokens > 1]
+    assert len(long) == len(sim.arrivals) and (long.status == "failed").all()
+    assert (long.attempts == 2).all()
+    assert (long.fail_reason == "transfer timed out after 0.001 s (after 2 attempts)").all()
+    for node in [*sim.prefills, *sim.decodes]:
+        assert node.pool.used_pages == 0
+
+
+def test_transfers_within_the_timeout_are_untouched_by_it() -> None:
+    a = tables(simulate("tiny-disagg.toml"))
+    b = tables(simulate("tiny-disagg.toml", "transfer.timeout_s=1e6"))
+    for x, y in zip(a, b, strict=True):
+        pd.testing.assert_frame_equal(x, y)
+    assert (a[0].status == "finished").all()
 
 
 def test_a_model_that_does_not_fit_is_a_config_error() -> None:

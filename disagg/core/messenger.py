@@ -200,6 +200,7 @@ class DecodeMessenger:
         self._free_slots: deque[int] = deque()
         self._next_slot = 0
         self.stale_immediates = 0
+        self.late_answers = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.inbound)
@@ -296,8 +297,9 @@ class DecodeMessenger:
     def _give_up(self, req_id: int, reason: str, retry: bool) -> list[Command]:
         """Prefill will write no more for `req_id`: free its pages, then retry or fail it."""
         slot = self._slot_of.get(req_id)
-        if slot is None:
-            raise ProtocolError(f"decode node {self.node}: no transfer in flight for {req_id}")
+        if slot is None:  # an answer to a cancel that came too late: the request's last writes
+            self.late_answers += 1  # landed first (it is ready), or it was given up already
+            return []
         req = self._close(slot).req
         self.pool.free(req.id)
         cmds: list[Command]

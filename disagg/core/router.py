@@ -1,15 +1,21 @@
 """Routing: which prefill node and which decode node serve a request, and which GPU sends.
 
-Policies are small classes with one method, `pick(loads)`; `make_router` is the registry.
-Loads are whatever the backend counts (outstanding requests, queued tokens): lower is better.
+Policies are small classes with one method, `pick(loads)`; each has a config class in
+policies.py, where `make_router` builds one by name. Loads are whatever the backend counts
+(outstanding requests, queued tokens): lower is better.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from disagg.errors import ConfigError
+
+class Router(Protocol):
+    def pick(self, loads: Mapping[int, float]) -> int:
+        """The node for the next request, given each node's load (missing: 0)."""
+        ...
 
 
 class RoundRobin:
@@ -33,21 +39,6 @@ class LeastLoaded:
 
     def pick(self, loads: Mapping[int, float]) -> int:
         return min(self.nodes, key=lambda n: (loads.get(n, 0.0), n))
-
-
-Router = RoundRobin | LeastLoaded
-ROUTERS: dict[str, type[RoundRobin] | type[LeastLoaded]] = {
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-}
-
-
-def make_router(policy: str, nodes: Sequence[int]) -> Router:
-    if policy not in ROUTERS:
-        raise ConfigError(f"unknown router {policy!r}; known: {', '.join(ROUTERS)}")
-    if not nodes:
-        raise ConfigError("a router needs at least one node")
-    return ROUTERS[policy](nodes)
 
 
 def pick_replica(replicas: Sequence[int], rng: random.Random) -> int:

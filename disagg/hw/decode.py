@@ -1,5 +1,6 @@
-"""The servers that emit tokens: the decode server (KV from a prefill server, counted in by the
-wire's immediates) and the colocated server (prefill and decode in one process)."""
+"""The servers that emit tokens, ports of the core's decode and colocated roles: the decode
+server (KV from a prefill server, counted in by the wire's immediates) and the colocated server
+(prefill and decode in one process)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import torch
 
 from disagg.core import messenger as m
 from disagg.core.request import Request, Status
-from disagg.core.scheduler import ColocatedScheduler, DecodeScheduler
-from disagg.hw import knobs
+from disagg.core.roles import ColocatedRole, DecodeRole
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
 from disagg.hw.node import Server, single_gpu_plan
@@ -20,17 +20,21 @@ from disagg.hw.protocol import Finished, NodeConfig, NodeUp, Submit, unpack_imm
 
 
 class GeneratingServer(Server):
-    """A server that emits tokens (decode or colocated) and reports finished requests."""
+    """A server that emits tokens (decode or colocated) and reports finished requests: the
+    port's `finished` sends them to the driver, with the logits of the pass that finished them."""
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
         self.outputs: dict[int, list[int]] = {}
         self.meta_sums: dict[int, float | torch.Tensor] = {}  # device sums: read at finish
         self.first_logits: dict[int, torch.Tensor] = {}
+        # the running pass's rows and logits, for the requests it finishes
+        self.pass_rows: list[Request] = []
+        self.pass_logits: torch.Tensor | None = None
 
-    def finish(self, req: Request, logits: torch.Tensor | None = None) -> None:
-        if req.status is Status.FINISHED:
-            req.finish_s = self.now()
+    def finished(self, req: Request) -> None:
+        row = next((i for i, r in enumerate(self.pass_rows) if r is req), None)
+        logits = None if row is None or self.pass_logits is None else self.pass_logits[row]
         msg = _finished(
             req,
             self.outputs.pop(req.id, []),
@@ -41,27 +45,26 @@ class GeneratingServer(Server):
         )
         self.control.send("driver", msg)
 
+    def pass_ran(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Keep the pass's rows and logits for `finished` (until the next pass)."""
+        self.pass_rows, self.pass_logits = rows, logits
+
 
 # ---- decode ------------------------------------------------------------------------------
 class DecodeServer(GeneratingServer):
-    role = "decode"
+    """The port of a core DecodeRole: immediates from the wire, passes on the model."""
+
+    kind = "decode"
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
-        t, group = self.exp.transfer, self.exp.cluster.decode
-        self.plan = single_gpu_plan(self.exp, self.cache.layers[0].element_size())
-        self.messenger = m.DecodeMessenger(
-            cfg.index,
-            self.pool,
-            self.expected,
-            max_attempts=t.max_attempts,
-            timeout_s=t.timeout_s,
-            handoff=t.handoff,
-        )
-        self.scheduler = DecodeScheduler(group.max_batch)
+        exp, group = self.exp, self.exp.cluster.decode
+        self.plan = single_gpu_plan(exp, self.cache.layers[0].element_size())
+        # the hw model drafts no tokens: one per step
+        self.role = DecodeRole(cfg.index, self, self.pool, group, exp.transfer, self.expected)
         self.runner.capture_up_to(group.max_batch)
-        self.requests: dict[int, Request] = {}
         self.slots: dict[int, int] = {}
+        self.timer_s = math.inf
 
     def announce(self) -> None:
         super().announce()
@@ -69,7 +72,7 @@ class DecodeServer(GeneratingServer):
         self.wake_fd = self.wire.wake_fd()
 
     def idle_wait_s(self) -> float:
-        if self.messenger.inbound and self.wake_fd is None and not knobs.SPIN:
+        if self.role.messenger.inbound and self.wake_fd is None and not self.hw.latency.spin:
             return 200e-6  # KV on its way over a wire without a wake-up fd: poll it often
         return super().idle_wait_s()
 
@@ -80,48 +83,48 @@ class DecodeServer(GeneratingServer):
         if isinstance(msg, Submit):
             self.mark(msg.req_id, "received")
             req = msg.request()
-            self.requests[req.id], self.outputs[req.id] = req, []
-            self.execute(self.messenger.submit(req, 0, self.now()))
+            self.outputs[req.id] = []
+            self.role.submit(req, 0)
             self.plan_first_pass(req)  # after the handoff has left
         else:
-            self.execute(self.messenger.on_message(msg))
+            self.role.on_message(msg)
 
     def on_dead(self, peer: str) -> None:
         super().on_dead(peer)
         if peer.startswith("prefill"):
-            self.execute(self.messenger.on_peer_dead(int(peer[7:]), "no heartbeat"))
+            self.role.on_peer_dead(int(peer[7:]), "no heartbeat")
 
-    def execute(self, cmds: list[m.Command]) -> None:
-        for cmd in cmds:
-            if isinstance(cmd, m.Send):
-                if isinstance(cmd.msg, m.PrefillRequest):
-                    self.slots[cmd.msg.req_id] = cmd.msg.slot
-                    self.mark(cmd.msg.req_id, "handed_off")  # before it leaves: causal order
-                self.control.send(f"prefill{cmd.node}", cmd.msg)
-            elif isinstance(cmd, m.Ready):
-                req = self.requests[cmd.req_id]
-                req.ready_s = self.now()
-                if cmd.req_id in self.slots:
-                    # summed on the device, no sync: the first pass should not wait for it
-                    self.meta_sums[req.id] = self.meta[self.slots.pop(req.id)].sum()
-                self.scheduler.add_ready(req)
-            elif isinstance(cmd, m.Failed):
-                self.finish(self.requests[cmd.req_id])
-            elif isinstance(cmd, m.Retry):
-                self.execute(self.messenger.submit(self.requests[cmd.req_id], 0, self.now()))
+    # -- the port (disagg.core.roles.DecodePort)
+    def send(self, role: str, node: int, msg: Any) -> None:
+        if isinstance(msg, m.PrefillRequest):
+            self.slots[msg.req_id] = msg.slot
+            self.mark(msg.req_id, "handed_off")  # before it leaves: causal order
+        super().send(role, node, msg)
+
+    def set_timer(self, at_s: float) -> None:
+        self.timer_s = at_s
+
+    def route(self, req: Request) -> int:
+        return 0  # the one prefill server
+
+    def ready(self, req: Request) -> None:
+        if req.id in self.slots:  # summed on the device, no sync: the first pass should not
+            self.meta_sums[req.id] = self.meta[self.slots.pop(req.id)].sum()  # wait for it
 
     def tick(self) -> None:
         assert self.wire is not None
         for imm in self.wire.poll().immediates:
-            self.execute(self.messenger.on_immediates(*unpack_imm(imm)))
-        self.execute(self.messenger.check_timeouts(self.now()))
+            self.role.on_immediates(*unpack_imm(imm))
+        if self.now() >= self.timer_s:
+            self.timer_s = math.inf
+            self.role.on_timer()
         super().tick()
 
     def plan_first_pass(self, req: Request) -> bool:
         """Plan `req`'s first pass now (Runner.plan_ahead) if it will be the next step: its KV
         is inbound and nothing else runs, is ready or is inbound. True if planned."""
-        alone = not len(self.scheduler) and len(self.messenger.inbound) == 1
-        if knobs.PLAN_AHEAD and req.status is Status.RESERVED and alone:
+        alone = not len(self.role.scheduler) and len(self.role.messenger.inbound) == 1
+        if self.hw.latency.plan_ahead and req.status is Status.RESERVED and alone:
             return self.runner.plan_ahead([self.seq(req)])
         return False
 
@@ -132,35 +135,32 @@ class DecodeServer(GeneratingServer):
         return Seq.of([last], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id))
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule()
+        batch = self.role.next_batch()
         if batch.empty:
             return False
         start = self.now()
         res = self.runner.step([self.seq(r) for r in batch.decodes], sample=True)
         assert res.tokens is not None
-        for r, tok in zip(batch.decodes, res.tokens, strict=True):
+        for i, (r, tok) in enumerate(zip(batch.decodes, res.tokens, strict=True)):
             self.outputs[r.id].append(tok)
-        for i, r in enumerate(batch.decodes):
             if r.generated == 0:
-                r.first_token_s = self.now()
                 self.first_logits[r.id] = res.logits[i]
-        done = self.scheduler.complete(batch).finished
         self.record("decode", start, batch)
-        for i, r in enumerate(batch.decodes):
-            if r in done:
-                self.finish(r, res.logits[i])
-                self.execute(self.messenger.release(r.id, self.now()))
+        self.pass_ran(batch.decodes, res.logits)
+        self.role.pass_done(batch)
         return True
 
 
 # ---- colocated ---------------------------------------------------------------------------
 class ColocatedServer(GeneratingServer):
-    role = "colocated"
+    """The port of a core ColocatedRole: chunks and decodes in the same passes."""
+
+    kind = "colocated"
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
         g = self.exp.cluster.colocated
-        self.scheduler = ColocatedScheduler(self.pool, g.token_budget, g.max_batch)
+        self.role = ColocatedRole(cfg.index, self, self.pool, g)  # one token per step
         self.runner.capture_up_to(g.max_batch)
 
     def announce(self) -> None:  # no wire: nothing crosses a network
@@ -171,12 +171,10 @@ class ColocatedServer(GeneratingServer):
             self.mark(msg.req_id, "received")
             req = msg.request()
             self.outputs[req.id] = []
-            self.scheduler.add(req)
-            if req.status is Status.FAILED:
-                self.finish(req)
+            self.role.submit(req)
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule()
+        batch = self.role.next_batch()
         if batch.empty:
             return False
         start = self.now()
@@ -192,12 +190,8 @@ class ColocatedServer(GeneratingServer):
         for r in batch.decodes:
             out = self.outputs[r.id]
             seqs.append(Seq.of([out[-1]], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id)))
-        for c in batch.chunks:
-            if math.isnan(c.req.prefill_start_s):
-                c.req.prefill_start_s = start
         res = self.runner.step(seqs, sample=True)
         assert res.tokens is not None
-        rows = [c.req for c in batch.chunks] + batch.decodes
         for i, c in enumerate(batch.chunks):
             if c.last:
                 self.outputs[c.req.id].append(res.tokens[i])
@@ -206,12 +200,9 @@ class ColocatedServer(GeneratingServer):
                     self.meta_sums[c.req.id] = float(res.hidden[i].float().sum())
         for r, tok in zip(batch.decodes, res.tokens[len(batch.chunks) :], strict=True):
             self.outputs[r.id].append(tok)
-        progress = self.scheduler.complete(batch)
-        for r in progress.prefilled:
-            r.prefill_end_s = r.first_token_s = self.now()
         self.record("mixed" if batch.chunks else "decode", start, batch)
-        for r in progress.finished:
-            self.finish(r, res.logits[rows.index(r)])
+        self.pass_ran([c.req for c in batch.chunks] + batch.decodes, res.logits)
+        self.role.pass_done(batch)
         return True
 
 

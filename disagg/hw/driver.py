@@ -39,7 +39,6 @@ from disagg.core.workload import generate
 from disagg.errors import ConfigError, TransportError
 from disagg.hw.attention import parse_attention
 from disagg.hw.control import Control
-from disagg.hw.node import serve
 from disagg.hw.protocol import (
     Finished,
     NodeConfig,
@@ -51,21 +50,8 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
-
-
-@dataclass(frozen=True)
-class HwOptions:
-    wire: str = "tcp"
-    prefill_device: str = "cpu"
-    decode_device: str = "cpu"
-    num_pages: int = 512  # KV pages per server
-    attention: str = "auto"
-    return_logits: bool = False
-    start_timeout_s: float = 600.0  # model build, CUDA graphs, FlashInfer JIT
-    drain_timeout_s: float = 600.0  # after the last arrival
-    silent_after_s: float = 30.0  # a server alive but not heard from this long is stuck
-    external: tuple[str, ...] = ()  # servers started elsewhere (disagg hw serve), by name
-    bind: str = "tcp://127.0.0.1:*"
+from disagg.hw.serve import serve
+from disagg.settings import HW_PAGES
 
 
 @dataclass
@@ -76,24 +62,18 @@ class HwRun:
     sent: list[tuple[int, str, str, float]] = field(default_factory=list)  # the driver's hops
 
 
-def node_configs(exp: Experiment, opts: HwOptions, driver: str) -> list[NodeConfig]:
-    def config(role: str, device: str) -> NodeConfig:
-        return NodeConfig(
-            role,
-            0,
-            exp.model_dump(mode="json"),
-            device,
-            opts.wire,
-            opts.num_pages,
-            driver,
-            bind=opts.bind.rsplit(":", 1)[0] + ":*",  # the driver's host, any port
-            attention=opts.attention,
-            return_logits=opts.return_logits,
-        )
+def hw_experiment(exp: Experiment) -> Experiment:
+    """`exp` as a hardware run runs it: its KV pool given (HW_PAGES unless set), so the run's
+    experiment.json records the pool its servers had."""
+    return exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
 
-    if exp.cluster.mode == "colocated":
-        return [config("colocated", opts.decode_device)]
-    return [config("prefill", opts.prefill_device), config("decode", opts.decode_device)]
+
+def node_configs(exp: Experiment, driver: str, return_logits: bool = False) -> list[NodeConfig]:
+    """The servers of `exp` (one per role), each told the driver's control endpoint."""
+    data = exp.model_dump(mode="json")
+    bind = exp.hw.bind.rsplit(":", 1)[0] + ":*"  # the driver's host, any port
+    roles = ["colocated"] if exp.cluster.mode == "colocated" else ["prefill", "decode"]
+    return [NodeConfig(r, 0, data, driver, bind, return_logits) for r in roles]
 
 
 def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
@@ -117,30 +97,34 @@ def check_hw_experiment(exp: Experiment) -> None:
 
 
 class Driver:
-    def __init__(self, exp: Experiment, opts: HwOptions) -> None:
-        parse_attention(opts.attention)  # a bad choice fails here, not in every server
-        if not opts.silent_after_s > 0:
-            raise ConfigError(f"silent_after_s must be > 0 s, got {opts.silent_after_s:g}")
+    """`external`: servers started elsewhere (disagg hw serve), by name; `return_logits`: the
+    servers send each request's first and last logits with its tokens."""
+
+    def __init__(
+        self, exp: Experiment, external: tuple[str, ...] = (), return_logits: bool = False
+    ) -> None:
+        exp = hw_experiment(exp)
+        parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
-        self.exp, self.opts = exp, opts
-        self.control = Control("driver", opts.bind, dead_after_s=opts.silent_after_s)
-        self.configs = node_configs(exp, opts, self.control.endpoint)
+        self.exp, self.hw, self.external = exp, exp.hw, external
+        self.control = Control("driver", self.hw.bind, dead_after_s=self.hw.silent_after_s)
+        self.configs = node_configs(exp, self.control.endpoint, return_logits)
         self.procs: dict[str, Any] = {}
         self.run_state = HwRun()
         self.stuck: set[str] = set()
 
     # -- starting
     def start(self) -> None:
-        if self.opts.external:
+        if self.external:
             print(f"driver control endpoint: {self.control.endpoint}", flush=True)
         ctx = mp.get_context("spawn")
         for cfg in self.configs:
-            if cfg.name in self.opts.external:
+            if cfg.name in self.external:
                 continue
             proc = ctx.Process(target=serve, args=(cfg,), name=cfg.name, daemon=True)
             proc.start()
             self.procs[cfg.name] = proc
-        ups: dict[str, NodeUp] = self._gather(NodeUp, self.opts.start_timeout_s, "start")
+        ups: dict[str, NodeUp] = self._gather(NodeUp, self.hw.start_timeout_s, "start")
         for up in ups.values():
             self.control.connect(up.name, up.endpoint)
         for name in ups:
@@ -177,7 +161,7 @@ class Driver:
                 time.sleep(0.5)  # time to write them
             raise TransportError(
                 f"server {name} is alive but has not been heard from for "
-                f"{self.opts.silent_after_s:g} s: it is stuck (a spawned server's threads' "
+                f"{self.hw.silent_after_s:g} s: it is stuck (a spawned server's threads' "
                 "stacks are on stderr)"
             )
 
@@ -226,11 +210,11 @@ class Driver:
             self.check_silent()
             if progress:
                 progress(len(state.finished), len(arrivals))
-            if now > last_arrival + self.opts.drain_timeout_s:
+            if now > last_arrival + self.hw.drain_timeout_s:
                 left = sorted(set(state.requests) - set(state.finished))
                 raise TransportError(
                     f"{len(arrivals) - len(state.finished)} requests unfinished "
-                    f"{self.opts.drain_timeout_s:g} s after the last arrival (ids {left[:10]})"
+                    f"{self.hw.drain_timeout_s:g} s after the last arrival (ids {left[:10]})"
                 )
         return state
 
@@ -282,11 +266,17 @@ class Driver:
 
 
 def run_hw(
-    exp: Experiment, opts: HwOptions, out: Path, progress: Callable[[int, int], None] | None = None
+    exp: Experiment,
+    out: Path,
+    progress: Callable[[int, int], None] | None = None,
+    external: tuple[str, ...] = (),
+    return_logits: bool = False,
 ) -> tuple[dict[str, Any], HwRun]:
-    """Run the experiment on local devices; write the tables to `out`; return the summary."""
+    """Run the experiment on local devices (its `[hw]` settings); write the tables and the
+    experiment as run to `out`; return the summary."""
     start = time.perf_counter()
-    driver = Driver(exp, opts)
+    driver = Driver(exp, external, return_logits)
+    exp = driver.exp
     try:
         driver.start()
         state = driver.replay(progress)
@@ -295,7 +285,7 @@ def run_hw(
     wall = time.perf_counter() - start
     req, steps, xfers = tables(state)
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
-    summary |= {"experiment": exp.name, "backend": "hw", "wire": opts.wire}
+    summary |= {"experiment": exp.name, "backend": "hw", "wire": exp.hw.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     for key in ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start"):
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())

@@ -37,12 +37,6 @@ from disagg.models import ModelSpec
 ROPE_THETA = 500_000.0
 NORM_EPS = 1e-6
 CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
-# FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of torch's elementwise
-# kernels (CUDA only; GQA models' RoPE; MLA keeps torch's). On an H200, Llama-3.1-8B, one run:
-# prefill of 8k tokens 216.6 ms against 245.1 ms, decode step at batch 128 x 4k 24.8 ms against
-# 25.1 ms, same first token (benchmarks/results/gpu_2026-11-29c.md). DISAGG_FUSED_OPS=0 turns it
-# off in every process (servers inherit the environment).
-FUSED_OPS = os.environ.get("DISAGG_FUSED_OPS", "1") != "0"
 
 
 @dataclass
@@ -182,8 +176,12 @@ class Transformer:
         seed: int = 0,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        fused_ops: bool = True,
     ) -> None:
+        """`fused_ops`: FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of
+        torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's)."""
         self.spec = spec
+        self.fused_ops = fused_ops
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.mla = spec.attention == "mla"
@@ -289,8 +287,8 @@ class Transformer:
         return ForwardOut(F.linear(last, self.lm_head).float(), h[x.hidden_rows])
 
     def ops(self) -> TorchOps:
-        """FusedOps when FUSED_OPS is on and the model is on CUDA, else TorchOps."""
-        if not (FUSED_OPS and self.device.type == "cuda"):
+        """FusedOps when `fused_ops` is on and the model is on CUDA, else TorchOps."""
+        if not (self.fused_ops and self.device.type == "cuda"):
             return TorchOps()
         if not hasattr(self, "_fused"):
             self._fused = FusedOps()

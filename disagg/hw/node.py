@@ -1,6 +1,6 @@
-"""Prefill, decode and colocated servers: the core's schedulers and messenger on a real model.
-This module holds what they share (the process body `serve`, the `Server` loop); the roles are
-in `prefill.py` and `decode.py`, their messages in `protocol.py`, their settings in `knobs.py`.
+"""Prefill, decode and colocated servers: the core's roles (disagg.core.roles) on a real model.
+This module holds what they share (the `Server` loop); each server is the port of its role, in
+`prefill.py` and `decode.py`; the process body is `serve.py`, the messages `protocol.py`.
 
 Each server is one process with one main loop that owns the core objects (they are not
 thread-safe). The only other threads are the layer watcher, which turns the GPU layer counter
@@ -16,9 +16,7 @@ a wire (tcp, cuda or verbs):
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 import sys
 import time
 import traceback
@@ -33,7 +31,7 @@ from disagg.core.metrics import Recorder
 from disagg.core.scheduler import Batch
 from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
 from disagg.errors import DisaggError
-from disagg.hw import knobs
+from disagg.hw import latency
 from disagg.hw.control import Control
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
@@ -51,36 +49,7 @@ from disagg.hw.protocol import (
 from disagg.hw.runner import GRAPH_BATCHES, Runner
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Transport
-
-
-def serve(cfg: NodeConfig) -> None:
-    """Process body: build the server for `cfg.role` and run it until Shutdown. A server that
-    cannot be built (no GPU, too little memory, a missing library) tells the driver why."""
-    from disagg.hw.decode import ColocatedServer, DecodeServer  # they build on Server, below
-    from disagg.hw.prefill import PrefillServer
-
-    kinds: dict[str, type[Server]] = {
-        "prefill": PrefillServer,
-        "decode": DecodeServer,
-        "colocated": ColocatedServer,
-    }
-    # one control endpoint, made first: a second one under the same name would be refused by
-    # the driver's socket while the first lives, and the reason with it
-    control = Control(cfg.name, cfg.bind)
-    control.connect("driver", cfg.driver)
-    if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if knobs.SPIN:
-        sys.setswitchinterval(knobs.SPIN_SWITCH_S)
-    if knobs.CPU_LATENCY_US is not None:
-        knobs.hold_cpu_latency(knobs.CPU_LATENCY_US)
-    try:
-        server = kinds[cfg.role](cfg, control)
-    except DisaggError as e:
-        control.send("driver", Records(cfg.name, (), (), f"{cfg.name}: {e}"))
-        control.close(linger_s=5.0)
-        return
-    server.run()
+from disagg.settings import HW_PAGES
 
 
 @dataclass
@@ -92,31 +61,38 @@ class _Stats:
 
 
 class Server:
-    role = "server"
+    kind = "server"
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         """`control`: this node's control endpoint, connected to the driver (made if None)."""
         self.cfg = cfg
-        if cfg.device == "cpu":  # a server shares the CPU with its peers and the driver
+        self.exp = Experiment.model_validate(cfg.experiment)
+        self.hw = self.exp.hw
+        device = self.hw.prefill_device if self.kind == "prefill" else self.hw.decode_device
+        if device == "cpu":  # a server shares the CPU with its peers and the driver
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         else:  # one GPU per server: its current device (streams, events, graphs, kernels)
-            torch.cuda.set_device(resolve_device(cfg.device))
-        self.exp = Experiment.model_validate(cfg.experiment)
+            torch.cuda.set_device(resolve_device(device))
         self.spec = self.exp.model.spec
         self.layers = self.spec.layers
         if control is None:
-            control = Control(cfg.name, cfg.bind)
+            control = Control(cfg.name, cfg.bind, dead_after_s=self.hw.dead_after_s)
             control.connect("driver", cfg.driver)
         self.control = control
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
-        self.model = Transformer(self.spec, seed=self.exp.seed, device=cfg.device)
+        self.model = Transformer(
+            self.spec, seed=self.exp.seed, device=device, fused_ops=self.hw.latency.fused_ops
+        )
         kv = self.exp.kv
-        self.cache = self.model.new_cache(cfg.num_pages, kv.page_size, kv.layout)
-        self.pool = PagePool(cfg.num_pages, kv.page_size, cfg.name)
+        pages = kv.pages or HW_PAGES
+        self.cache = self.model.new_cache(pages, kv.page_size, kv.layout)
+        self.pool = PagePool(pages, kv.page_size, cfg.name)
         # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
         # replay, and first capture, a decode graph); the others capture theirs at start
-        graphs = () if self.role == "prefill" else GRAPH_BATCHES
-        self.runner = Runner(self.model, self.cache, attention=cfg.attention, graph_batches=graphs)
+        graphs = () if self.kind == "prefill" else GRAPH_BATCHES
+        self.runner = Runner(
+            self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
+        )
         self.stats = _Stats()
         self.t0 = time.time()
         self.running = True
@@ -144,7 +120,7 @@ class Server:
                 tuple(tuple(v) for v in self.stats.transfers.values()),
                 error,
                 self.stats.submits,
-                knobs.settings()
+                latency.held()
                 | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error},
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
@@ -159,7 +135,7 @@ class Server:
         self.control.close(linger_s=5.0)  # let the records leave first
 
     def announce(self) -> None:
-        self.wire = make_transport(self.cfg.wire, endpoint=self.cfg.name)
+        self.wire = make_transport(self.hw.wire, endpoint=self.cfg.name, **self.wire_options())
         regions = [
             self.wire.register(f"kv{i}", self.cache.layer_bytes(i)).to_dict()
             for i in range(self.layers)
@@ -169,6 +145,14 @@ class Server:
             "driver",
             NodeUp(self.cfg.name, self.control.endpoint, self.wire.local_info(), tuple(regions)),
         )
+
+    def wire_options(self) -> dict[str, Any]:
+        """The experiment's settings of this server's wire (`[hw.cuda]`, `[hw.verbs]`)."""
+        if self.hw.wire == "cuda":
+            return self.hw.cuda.model_dump()
+        if self.hw.wire == "verbs":
+            return self.hw.verbs.model_dump()
+        return {}
 
     @property
     def meta(self) -> torch.Tensor:
@@ -249,9 +233,16 @@ class Server:
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
 
+    # -- the port's parts every role uses (disagg.core.roles.Port)
+    def send(self, role: str, node: int, msg: Any) -> None:
+        self.control.send(f"{role}{node}", msg)
+
+    def wake(self) -> None:
+        """Nothing to do: the loop asks its role for a pass every turn."""
+
     def idle_wait_s(self) -> float:
         """How long an idle loop waits for a control message (they wake it at once)."""
-        return 0.0 if knobs.SPIN else 0.002
+        return 0.0 if self.hw.latency.spin else 0.002
 
     def on_dead(self, peer: str) -> None:
         if peer == "driver":

@@ -13,9 +13,8 @@ import torch
 
 from disagg.core import messenger as m
 from disagg.core.request import Request
-from disagg.core.scheduler import PrefillScheduler
+from disagg.core.roles import PrefillRole
 from disagg.errors import DisaggError
-from disagg.hw import knobs
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
 from disagg.hw.node import Server, single_gpu_plan
@@ -35,17 +34,17 @@ class _PassDone:
 
 
 class PrefillServer(Server):
-    role = "prefill"
+    """The port of a core PrefillRole: passes on the model, posts on the wire."""
+
+    kind = "prefill"
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
-        t = self.exp.transfer
-        self.messenger = m.PrefillMessenger(cfg.index, self.pool, self.layers, t.policy)
-        group = self.exp.cluster.prefill
-        self.scheduler = PrefillScheduler(group.token_budget, group.max_batch)
-        self.plan = single_gpu_plan(self.exp, self.cache.layers[0].element_size())
-        self.requests: dict[int, Request] = {}
-        self.prompts: dict[int, tuple[int, ...]] = {}
+        exp = self.exp
+        self.role = PrefillRole(
+            cfg.index, self, self.pool, exp.cluster.prefill, exp.transfer, self.layers
+        )
+        self.plan = single_gpu_plan(exp, self.cache.layers[0].element_size())
         # this side's metadata rows, one per prefilled request until its posts complete (the
         # decoder's slot may not be known yet when the hidden state is computed)
         self.rows: dict[int, int] = {}
@@ -66,42 +65,33 @@ class PrefillServer(Server):
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):  # parallel handoff: straight from the driver
             self.mark(msg.req_id, "received")
-            self.prompts[msg.req_id] = msg.prompt
-            self.execute(self.messenger.submit(msg.req_id, len(msg.prompt), decode_node=0))
+            self.role.submit(msg.req_id, len(msg.prompt), 0, msg.prompt)
             return
         if isinstance(msg, m.PrefillRequest):
             if msg.prompt:
                 self.mark(msg.req_id, "received")
-                self.prompts[msg.req_id] = msg.prompt
             self.mark(msg.req_id, "pages")
-        self.execute(self.messenger.on_message(msg))
+        self.role.on_message(msg)
 
     def on_dead(self, peer: str) -> None:
         super().on_dead(peer)
         if peer.startswith("decode"):
-            self.execute(self.messenger.on_peer_dead(int(peer[6:]), "no heartbeat"))
+            self.role.on_peer_dead(int(peer[6:]), "no heartbeat")
 
-    def execute(self, cmds: list[m.Command]) -> None:
-        for cmd in cmds:
-            if isinstance(cmd, m.Send):
-                self.control.send(f"decode{cmd.node}", cmd.msg)
-            elif isinstance(cmd, m.Prefill):
-                prompt = self.prompts[cmd.req_id]  # kept: an evicted early start runs again
-                req = Request(cmd.req_id, 0.0, len(prompt), 1, prompt=prompt)
-                self.requests[req.id] = req
-                self.scheduler.add(req, cmd.tokens)
-            elif isinstance(cmd, m.Unschedule):
-                self.scheduler.remove(cmd.req_id)
-            elif isinstance(cmd, m.PostWrites):
-                self.post(cmd.req_id, f"decode{cmd.decode_node}", self.page_units(cmd))
-            elif isinstance(cmd, m.PostMetadata):
-                self.post(cmd.req_id, f"decode{cmd.decode_node}", [self.meta_unit(cmd)])
-        for req_id in [r for r in self.rows if r not in self.messenger.outbound]:
-            self.free_rows.append(self.rows.pop(req_id))  # its posts are done (or never will be)
-        if len(self.prompts) > len(self.messenger):  # some left: prefilled, cancelled, refused
-            known = self.messenger.known()
-            for req_id in [r for r in self.prompts if r not in known]:
-                del self.prompts[req_id]
+    # -- the port (disagg.core.roles.PrefillPort)
+    def post(self, cmd: m.PostWrites | m.PostMetadata) -> None:
+        units = self.page_units(cmd) if isinstance(cmd, m.PostWrites) else [self.meta_unit(cmd)]
+        self.post_units(cmd.req_id, f"decode{cmd.decode_node}", units)
+
+    def prefilled(self, req: Request) -> None:
+        row = self.transfer_row(req.id)
+        row[4], row[5] = req.prefill_start_s, req.prefill_end_s
+
+    def free_meta_rows(self) -> None:
+        """Rows of requests whose posts are done (or never will be) are free again."""
+        outbound = self.role.messenger.outbound
+        for req_id in [r for r in self.rows if r not in outbound]:
+            self.free_rows.append(self.rows.pop(req_id))
 
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
         """One unit per layer: every page's writes as arrays, then one immediate that counts
@@ -134,7 +124,7 @@ class PrefillServer(Server):
         self.rows[req_id] = self.free_rows.popleft()
         return self.rows[req_id]
 
-    def post(self, req_id: int, peer: str, units: list[Unit]) -> None:
+    def post_units(self, req_id: int, peer: str, units: list[Unit]) -> None:
         assert self.wire is not None
         self._wr += 1
         self.posts[self._wr] = req_id
@@ -157,22 +147,18 @@ class PrefillServer(Server):
     def poll_wire(self) -> None:
         assert self.wire is not None
         for c in self.wire.poll().completions:
-            req_id = self.posts.pop(c.wr_id)
-            self.execute(self.messenger.on_posted(req_id, c.ok, c.error))
+            self.role.on_posted(self.posts.pop(c.wr_id), c.ok, c.error)
+        self.free_meta_rows()
 
     def tick(self) -> None:
         self.poll_wire()
         super().tick()
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule()
+        start = self.now()
+        batch = self.role.next_batch()
         if batch.empty:
             return False
-        start = self.now()
-        for c in batch.chunks:
-            if math.isnan(c.req.prefill_start_s):
-                c.req.prefill_start_s = start
-        self.execute(self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks]))
         seqs = [
             Seq.of(
                 c.req.prompt[c.start : c.start + c.tokens], c.start, self.pool.pages_of(c.req.id)
@@ -184,26 +170,23 @@ class PrefillServer(Server):
             if c.last:  # hidden state of the token before the last prompt token (stream order)
                 self.meta[self.meta_row(c.req.id)] = out.hidden[i].float()
         end: torch.cuda.Event | _PassDone | None = None
-        if knobs.META_IN_STREAM:
+        if self.hw.latency.meta_in_stream:
             end = torch.cuda.Event() if self.model.device.type == "cuda" else _PassDone()
             end.record()  # after the metadata rows: the end of the pass
         self.follow_layers(out.layers_before)
-        prefilled = self.scheduler.complete(batch).prefilled
         if end is None:
             self.sync()
-            end_s = self.now()
         self.after = end  # with an end event, the pass's last posts wait for it on the wire
         try:
-            self.execute(self.messenger.on_batch_done())
+            prefilled = self.role.pass_done(batch).prefilled
         finally:
             self.after = None
-        if end is not None:
+        if end is not None:  # the pass ends on the device after the posts were issued
             end.synchronize()  # the pass, not the copies just posted (a device sync would wait)
             end_s = self.now()
-        for r in prefilled:
-            row = self.transfer_row(r.id)
-            row[4], row[5] = r.prefill_start_s, end_s
-            del self.requests[r.id]
+            for r in prefilled:
+                self.transfer_row(r.id)[5] = end_s
+        self.free_meta_rows()
         self.record("prefill", start, batch)
         return True
 
@@ -221,7 +204,7 @@ class PrefillServer(Server):
                 continue
             if n > done:
                 done = min(n, self.layers)
-                self.execute(self.messenger.on_layers(done))
+                self.role.on_layers(done)
 
     def run(self) -> None:
         try:

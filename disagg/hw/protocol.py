@@ -117,17 +117,14 @@ class Records:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """Everything a server process needs (picklable: it crosses a spawn)."""
+    """Everything a server process needs (picklable: it crosses a spawn). Its settings are the
+    experiment's (`[hw]`, `[kv]`), as the driver resolved them."""
 
     role: str  # prefill | decode | colocated
     index: int
     experiment: dict[str, Any]
-    device: str
-    wire: str
-    num_pages: int
     driver: str  # the driver's control endpoint
-    bind: str = "tcp://127.0.0.1:*"
-    attention: str = "auto"
+    bind: str = "tcp://127.0.0.1:*"  # this server's control socket
     return_logits: bool = False
 
     @property

@@ -1,10 +1,12 @@
-"""Simulated nodes driving the core: SimPy processes for prefill, decode and colocated nodes.
+"""Simulated nodes driving the core roles: SimPy processes for prefill, decode and colocated
+nodes.
 
-Each node asks its core scheduler for a batch, holds for the cost model's step time, and feeds
-the messenger the same events the real backend does; the commands that come back are carried
-out here (control messages after a control-plane latency, writes as network flows). A decode
-node runs identical decode passes between batch changes as one event (`_decode_run`), so an
-hour of cluster traffic costs a few events per request, not one per token.
+Each node is the port of its core role (disagg.core.roles): it asks the role for a batch, holds
+for the cost model's step time, and reports the pass's end; what the role asks of the port is
+carried out here (control messages after a control-plane latency, writes as network flows,
+timers as SimPy timeouts). A decode node runs identical decode passes between batch changes as
+one event (`_decode_run`), so an hour of cluster traffic costs a few events per request, not
+one per token.
 """
 
 from __future__ import annotations
@@ -13,36 +15,19 @@ import math
 import random
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import simpy
 
 from disagg.config import Experiment, GroupConfig
 from disagg.core.kvcache import PagePool
-from disagg.core.messenger import (
-    Command,
-    DecodeMessenger,
-    Failed,
-    Message,
-    PostMetadata,
-    PostWrites,
-    Prefill,
-    PrefillMessenger,
-    Ready,
-    Retry,
-    Send,
-    Unschedule,
-)
+from disagg.core.messenger import Message, PostMetadata, PostWrites
 from disagg.core.metrics import Recorder
+from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
-from disagg.core.router import Router, make_router
-from disagg.core.scheduler import (
-    Batch,
-    ColocatedScheduler,
-    DecodeScheduler,
-    PrefillScheduler,
-    steps_to_finish,
-)
+from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
+from disagg.core.router import Router
+from disagg.core.scheduler import Batch, steps_to_finish
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
 from disagg.sim.costmodel import StepShape, chunk_attn_pairs, make_cost_model
@@ -70,36 +55,44 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     return pages
 
 
-class _Schedules(Protocol):
-    def schedule(self) -> Batch: ...
-
-
 class Node:
-    """Common parts of a simulated node: name, wake-up event, cost model, the pass loop."""
+    """A simulated node: the port of its core role (SimPy time, simulated control plane and
+    network) and the loop that runs the role's passes for the cost model's time."""
 
-    role = "node"
-    scheduler: _Schedules
+    kind = "node"
+    role: PrefillRole | DecodeRole | ColocatedRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         self.sim, self.idx, self.group = sim, idx, group
-        self.name = f"{self.role}{idx}"
+        self.name = f"{self.kind}{idx}"
         self.env = sim.env
         self.cost = make_cost_model(sim.exp, group)
-        self.pool = PagePool(pool_pages(sim.exp, group, self.role), sim.exp.kv.page_size, self.name)
+        self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
         self._wake = self.env.event()
+
+    # -- the port
+    def now(self) -> float:
+        return self.env.now
+
+    def send(self, role: str, node: int, msg: Message) -> None:
+        self.sim.send(role, node, msg)
 
     def wake(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
 
+    def finished(self, req: Request) -> None:
+        self.sim.finished += 1
+
+    # -- the loop
     def sleep(self) -> simpy.Event:
         self._wake = self.env.event()
         return self._wake
 
     def loop(self) -> Proc:
-        """Ask the scheduler for a batch, run it, repeat; sleep while there is nothing to do."""
+        """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
         while True:
-            batch = self.scheduler.schedule()
+            batch = self.role.next_batch()
             if batch.empty:
                 yield self.sleep()
             else:
@@ -108,16 +101,8 @@ class Node:
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError
 
-    @property
-    def load(self) -> int:
-        """Requests this node holds (what a least-loaded router compares)."""
-        raise NotImplementedError
-
     def shape(self, batch: Batch) -> StepShape:
-        """The cost model's view of `batch`; stamps the prefill start of first chunks."""
-        for c in batch.chunks:
-            if math.isnan(c.req.prefill_start_s):
-                c.req.prefill_start_s = self.env.now
+        """The cost model's view of `batch`."""
         return StepShape(
             prefill_tokens=batch.prefill_tokens,
             prefill_attn_pairs=sum(chunk_attn_pairs(c.start, c.tokens) for c in batch.chunks),
@@ -132,10 +117,11 @@ class Node:
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
-    ) -> Generator[simpy.Event, Any, int]:
+    ) -> Generator[simpy.Event, Any, tuple[int, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
-        up to the end of the pass in flight); returns the passes run. Step time is
-        a + b * context, and context grows by len(decodes) * tokens_per_step per pass."""
+        up to the end of the pass in flight); returns the passes run and when the first ended.
+        Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
+        pass."""
         a, b = self.cost.decode_line(len(decodes))
         k0 = float(sum(r.prompt_tokens + int(r.generated) for r in decodes))
         grow = len(decodes) * tokens_per_step
@@ -152,11 +138,7 @@ class Node:
             yield self.env.timeout(t0 + elapsed(steps) - self.env.now)
         elif self.env.now < t0 + elapsed(n):
             yield self.env.timeout(t0 + elapsed(n) - self.env.now)
-        first = t0 + elapsed(1)
-        for r in decodes:
-            if r.generated == 0:
-                r.first_token_s = first
-        return steps
+        return steps, t0 + elapsed(1)
 
 
 def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
@@ -172,113 +154,92 @@ def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
 
 
 class PrefillNode(Node):
-    role = "prefill"
-    scheduler: PrefillScheduler
+    kind = "prefill"
+    role: PrefillRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         exp = sim.exp
         self.layers = exp.model.spec.layers
-        self.messenger = PrefillMessenger(idx, self.pool, self.layers, exp.transfer.policy)
-        self.scheduler = PrefillScheduler(group.token_budget, group.max_batch)
+        self.role = PrefillRole(idx, self, self.pool, group, exp.transfer, self.layers)
         self.pass_step: tuple[float, float] | None = None  # (start, duration) of the running pass
         self.env.process(self.loop())
 
-    @property
-    def load(self) -> int:
-        return len(self.messenger)
+    def post(self, cmd: PostWrites | PostMetadata) -> None:
+        """A post made during a pass takes its layers' times from the pass; one made between
+        passes (metadata, a catch-up of earlier layers) starts at once."""
+        self.env.process(self.sim.post(self, cmd, self.pass_step))
+
+    def prefilled(self, req: Request) -> None:
+        shared = self.sim.requests[req.id]
+        shared.prefill_start_s, shared.prefill_end_s = req.prefill_start_s, req.prefill_end_s
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
-        step_s = self.cost.step_time(self.shape(batch))
-        chunks = [(c.req.id, c.start, c.tokens) for c in batch.chunks]
-        self.sim.execute(self, self.messenger.on_batch(chunks))
+        self.pass_step = (t0, self.cost.step_time(self.shape(batch)))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
-        self.sim.execute(self, self.messenger.on_layers(self.layers), (t0, step_s))
-        self.pass_step = (t0, step_s)
-        yield self.env.timeout(step_s)
+        self.role.on_layers(self.layers)
+        yield self.env.timeout(self.pass_step[1])
         self.pass_step = None
-        for r in self.scheduler.complete(batch).prefilled:
-            r.prefill_end_s = self.env.now
+        self.role.pass_done(batch)
         self.record("prefill", t0, 1, batch)
-        self.sim.execute(self, self.messenger.on_batch_done())
 
 
 class DecodeNode(Node):
-    role = "decode"
-    scheduler: DecodeScheduler
+    kind = "decode"
+    role: DecodeRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         self.tps = sim.exp.spec.accepted_tokens_per_step
         t = sim.exp.transfer
-        self.messenger = DecodeMessenger(
-            idx, self.pool, sim.transfers.expected, max_attempts=t.max_attempts, handoff=t.handoff
-        )
-        self.scheduler = DecodeScheduler(group.max_batch, self.tps)
+        self.role = DecodeRole(idx, self, self.pool, group, t, sim.transfers.expected, self.tps)
         self.env.process(self.loop())
 
-    @property
-    def load(self) -> int:
-        return len(self.messenger) + len(self.scheduler)
+    def set_timer(self, at_s: float) -> None:
+        timer = self.env.timeout(max(0.0, at_s - self.env.now))
+        timer.callbacks.append(lambda _: self.role.on_timer())
+
+    def route(self, req: Request) -> int:
+        return self.sim.route(req)
 
     def ready(self, req: Request) -> None:
-        req.ready_s = self.env.now
-        self.scheduler.add_ready(req)
-        if len(self.scheduler.running) < self.scheduler.max_batch:
-            self.wake()
+        self.sim.rec.landed(req.id, self.env.now)
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
-        steps = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
-        progress = self.scheduler.complete(batch, steps)
+        steps, first_s = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
+        self.role.pass_done(batch, steps, first_s)
         self.record("decode", t0, steps, batch)
-        for r in progress.finished:
-            self.sim.finish(r)
-            self.sim.execute(self, self.messenger.release(r.id, self.env.now))
 
 
 class ColocatedNode(Node):
-    role = "colocated"
-    scheduler: ColocatedScheduler
+    kind = "colocated"
+    role: ColocatedRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
         self.tps = sim.exp.spec.accepted_tokens_per_step
-        self.scheduler = ColocatedScheduler(
-            self.pool, group.token_budget, group.max_batch, self.tps, 1 + sim.exp.spec.draft_tokens
-        )
+        decode_qo = 1 + sim.exp.spec.draft_tokens
+        self.role = ColocatedRole(idx, self, self.pool, group, self.tps, decode_qo)
         self.env.process(self.loop())
-
-    @property
-    def load(self) -> int:
-        return len(self.scheduler)
-
-    def submit(self, req: Request) -> None:
-        req.prefill_node = req.decode_node = self.idx
-        self.scheduler.add(req)
-        self.wake()
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
         if batch.decode_only:
-            waiting = lambda: bool(self.scheduler.waiting)  # noqa: E731
-            steps = yield from self._decode_run(batch.decodes, self.tps, waiting)
-            progress = self.scheduler.complete(batch, steps)
+            admitting = lambda: self.role.admitting  # noqa: E731
+            steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
         else:
             steps = 1
             yield self.env.timeout(self.cost.step_time(self.shape(batch)))
-            progress = self.scheduler.complete(batch)
-            for r in progress.prefilled:
-                r.prefill_end_s = r.first_token_s = self.env.now
+        self.role.pass_done(batch, steps)
         self.record("decode" if batch.decode_only else "mixed", t0, steps, batch)
-        for r in progress.finished:
-            self.sim.finish(r)
 
 
 def _pick(router: Router, nodes: Sequence[Node]) -> int:
-    """The index of the node `router` picks, given every node's current load."""
-    return router.pick({i: n.load for i, n in enumerate(nodes)})
+    """The index of the node `router` picks, given every node's current load (the requests
+    its role holds)."""
+    return router.pick({i: len(n.role) for i, n in enumerate(nodes)})
 
 
 class Sim:
@@ -312,6 +273,7 @@ class Sim:
             if c.mode == "disagg"
             else []
         )
+        self.nodes: list[Node] = [*self.colocated, *self.prefills, *self.decodes]
         self.transfers.add_nics(len(self.prefills), len(self.decodes))
         nodes = self.colocated or self.decodes
         self.route_main = make_router(c.router, range(len(nodes)))
@@ -325,75 +287,39 @@ class Sim:
             req = Request(a.request_id, a.arrival_s, a.prompt_tokens, a.output_tokens)
             self.requests[req.id] = req
             if self.colocated:
-                node = self.colocated[_pick(self.route_main, self.colocated)]
-                node.submit(req)
-                if req.status is Status.FAILED:
-                    self.finished += 1
+                self.colocated[_pick(self.route_main, self.colocated)].role.submit(req)
             else:
                 self._submit(self.decodes[_pick(self.route_main, self.decodes)], req)
 
     def _submit(self, decode: DecodeNode, req: Request) -> None:
+        prefill = self.route(req)
+        if self.exp.transfer.handoff == "parallel":  # to both at once
+            self.prefills[prefill].role.submit(req.id, req.prompt_tokens, decode.idx)
+        decode.role.submit(req, prefill)
+
+    def route(self, req: Request) -> int:
+        """The prefill node of `req` (a first attempt or a retry), and its transfer plan."""
         prefill = _pick(self.route_prefill, self.prefills)
         self.transfers.choose_plan(req)
-        if self.exp.transfer.handoff == "parallel" and req.attempts == 0:  # to both at once
-            node = self.prefills[prefill]
-            self.execute(node, node.messenger.submit(req.id, req.prompt_tokens, decode.idx))
-        self.execute(decode, decode.messenger.submit(req, prefill, self.env.now))
+        return prefill
 
-    def finish(self, req: Request) -> None:
-        req.status, req.finish_s = Status.FINISHED, self.env.now
-        self.finished += 1
-
-    # ---- commands ------------------------------------------------------------------------
-    def execute(
-        self, node: Node, cmds: list[Command], step: tuple[float, float] | None = None
-    ) -> None:
-        """Carry out a messenger's commands; `step` = (start, duration) of the pass that
-        produces the layers of any PostWrites."""
-        for cmd in cmds:
-            if isinstance(cmd, Send):
-                self._send(node, cmd.node, cmd.msg)
-            elif isinstance(cmd, Prefill):
-                assert isinstance(node, PrefillNode)
-                node.scheduler.add(self.requests[cmd.req_id], cmd.tokens)
-                node.wake()
-            elif isinstance(cmd, Unschedule):
-                assert isinstance(node, PrefillNode)
-                node.scheduler.remove(cmd.req_id)
-            elif isinstance(cmd, PostWrites | PostMetadata):
-                self.env.process(self._post(node, cmd, step))
-            elif isinstance(cmd, Ready):
-                assert isinstance(node, DecodeNode)
-                self.rec.landed(cmd.req_id, self.env.now)
-                node.ready(self.requests[cmd.req_id])
-            elif isinstance(cmd, Failed):
-                self.requests[cmd.req_id].fail(cmd.reason)
-                self.finished += 1
-            elif isinstance(cmd, Retry):
-                assert isinstance(node, DecodeNode)
-                self._submit(node, self.requests[cmd.req_id])
-
-    def _send(self, sender: Node, dst: int, msg: Message) -> None:
-        target: PrefillNode | DecodeNode = (
-            self.prefills[dst] if isinstance(sender, DecodeNode) else self.decodes[dst]
-        )
-
-        def deliver(_: simpy.Event) -> None:  # mid-pass, a catch-up post follows that pass
-            step = target.pass_step if isinstance(target, PrefillNode) else None
-            self.execute(target, target.messenger.on_message(msg), step)
-
+    # ---- the simulated control plane and network -------------------------------------------
+    def send(self, role: str, node: int, msg: Message) -> None:
+        """Deliver `msg` to node `node` of `role` after the control-plane latency."""
+        target = self.prefills[node] if role == "prefill" else self.decodes[node]
+        deliver = lambda _: target.role.on_message(msg)  # noqa: E731
         self.env.timeout(self.exp.transfer.control_latency_s).callbacks.append(deliver)
 
-    def _post(
-        self, node: Node, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
+    def post(
+        self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
     ) -> Proc:
-        assert isinstance(node, PrefillNode)
+        """Move a post's bytes; its immediates land on the decoder, then the prefill hears."""
         req = self.requests[cmd.req_id]
         yield from self.transfers.post(node.idx, req, cmd, step, self.rec)
         decode = self.decodes[cmd.decode_node]
         for rank, count in self.transfers.immediates(req, cmd).items():
-            self.execute(decode, decode.messenger.on_immediates(cmd.slot, count, rank))
-        self.execute(node, node.messenger.on_posted(cmd.req_id))
+            decode.role.on_immediates(cmd.slot, count, rank)
+        node.role.on_posted(cmd.req_id)
 
     # ---- running ---------------------------------------------------------------------------
     def run(
@@ -419,7 +345,7 @@ class Sim:
 
     def check_end(self) -> None:
         """Every request finished or failed with a reason; every page back in its pool."""
-        for node in [*self.colocated, *self.prefills, *self.decodes]:
+        for node in self.nodes:
             node.pool.check()
             if node.pool.used_pages:
                 raise ConfigError(f"{node.name}: {node.pool.used_pages} KV pages leaked")

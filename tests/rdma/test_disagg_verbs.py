@@ -26,7 +26,7 @@ pd = pytest.importorskip("pandas")
 
 from disagg.config import build_experiment
 from disagg.hw import driver
-from disagg.hw.driver import HwOptions, run_hw
+from disagg.hw.driver import run_hw
 
 pytestmark = pytest.mark.rdma
 REQUESTS = 4
@@ -65,8 +65,8 @@ def experiment(model: str, mode: str, layout: str, budget: int) -> dict[str, Any
 
 
 def run(out: Path, wire: str, data: dict[str, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
-    opts = HwOptions(wire=wire, num_pages=64, return_logits=True, start_timeout_s=300.0)
-    summary, state = run_hw(build_experiment(data), opts, out)
+    settings = [f"hw.wire={wire}", "kv.pages=64", "hw.start_timeout_s=300"]
+    summary, state = run_hw(build_experiment(data, settings), out, return_logits=True)
     return summary, state.finished
 
 

@@ -1,0 +1,100 @@
+"""The hw backend's settings, as the experiment's `[hw]` table (`[hw.latency]`, `[hw.cuda]`,
+`[hw.verbs]` inside it), and the one place where environment variables are read.
+
+Every setting of a hardware run is a typed field here, so a run's experiment.json records all
+of it and `disagg sim run RUN_DIR` replays the run as it ran. Command-line flags and the
+`DISAGG_*` variables below are overrides of these fields, applied when the experiment is loaded
+(file < environment < `--set` and flags); nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+HW_PAGES = 512  # KV pages per hw server when the experiment leaves kv.pages unset
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LatencyConfig(_Frozen):
+    """How the servers trade CPU for latency (docs/gpu-runs.md: what each measured)."""
+
+    # idle servers poll without sleeping (one busy core each) instead of waiting in their poll
+    spin: bool = False
+    # an idle decoder plans a request's first decode pass when it hands the request to prefill
+    plan_ahead: bool = True
+    # a prefill posts a pass's metadata when its last layer is seen, ordered after the pass on
+    # the wire (the cuda wire's copy stream waits on an event), instead of after a host sync
+    meta_in_stream: bool = False
+    # FlashInfer's fused RMSNorm, SiLU-and-mul and RoPE instead of torch's kernels (CUDA only)
+    fused_ops: bool = True
+    # a PM QoS request holding the host's CPU wake-up latency to at most this many microseconds
+    # while the servers live (None: not asked)
+    cpu_latency_us: int | None = Field(default=None, ge=0)
+
+
+class CudaWireConfig(_Frozen):
+    """The cuda wire's copy paths (disagg.hw.transport.cuda)."""
+
+    peer_kernels: bool = True  # copy kernels reading the peer's mapped memory
+    stack: bool = True  # one batched copy for runs of equal size
+    gather: bool = True  # gather scattered runs into one contiguous copy
+
+
+class VerbsWireConfig(_Frozen):
+    """The verbs wire's device (disagg.hw.transport.verbs); None: found from the topology."""
+
+    device: str | None = None  # an ibverbs device name, e.g. mlx5_0
+    port: int = Field(default=1, ge=1)
+    gid_index: int | None = Field(default=None, ge=0)
+
+
+class HwConfig(_Frozen):
+    """How `disagg hw run` runs the experiment: devices, wire, kernels and time limits."""
+
+    wire: Literal["tcp", "cuda", "verbs"] = "tcp"
+    prefill_device: str = "cpu"  # cpu, cuda or cuda:N
+    decode_device: str = "cpu"  # also the colocated server's
+    # auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer or flashinfer:KERNEL
+    attention: str = "auto"
+    bind: str = "tcp://127.0.0.1:*"  # the driver's control socket (loopback by default)
+    start_timeout_s: float = Field(default=600.0, gt=0)  # model build, CUDA graphs, kernel JIT
+    drain_timeout_s: float = Field(default=600.0, gt=0)  # after the last arrival
+    silent_after_s: float = Field(default=30.0, gt=0)  # a server alive but silent is stuck
+    dead_after_s: float = Field(default=5.0, gt=0)  # a peer not heard from this long is dead
+    latency: LatencyConfig = LatencyConfig()
+    cuda: CudaWireConfig = CudaWireConfig()
+    verbs: VerbsWireConfig = VerbsWireConfig()
+
+
+# every environment variable the project reads, and the field it overrides
+ENVIRONMENT: dict[str, str] = {
+    "DISAGG_SPIN": "hw.latency.spin",
+    "DISAGG_PLAN_AHEAD": "hw.latency.plan_ahead",
+    "DISAGG_META_IN_STREAM": "hw.latency.meta_in_stream",
+    "DISAGG_FUSED_OPS": "hw.latency.fused_ops",
+    "DISAGG_CPU_LATENCY_US": "hw.latency.cpu_latency_us",
+    "DISAGG_WIRE_PEER_KERNELS": "hw.cuda.peer_kernels",
+    "DISAGG_WIRE_STACK": "hw.cuda.stack",
+    "DISAGG_WIRE_GATHER": "hw.cuda.gather",
+    "DISAGG_VERBS_DEVICE": "hw.verbs.device",
+    "DISAGG_VERBS_PORT": "hw.verbs.port",
+    "DISAGG_VERBS_GID_INDEX": "hw.verbs.gid_index",
+}
+
+
+def environment_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `DISAGG_*` variables set in `environ` (default: this process's), each with the
+    `key.path=value` override of the experiment it makes, in ENVIRONMENT's order."""
+    env = os.environ if environ is None else environ
+    return {
+        f"{var}={env[var]}": f"{path}={env[var].strip()}"
+        for var, path in ENVIRONMENT.items()
+        if var in env
+    }
