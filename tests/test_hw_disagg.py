@@ -22,7 +22,7 @@ pytest.importorskip("zmq")
 
 import torch
 
-from disagg.config import build_experiment
+from disagg.config import build_experiment, load_experiment
 from disagg.core.metrics import queue_parts
 from disagg.errors import ConfigError
 from disagg.hw import latency, node
@@ -30,6 +30,7 @@ from disagg.hw.batch import Seq
 from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.driver import HwRun, run_hw
 from disagg.hw.prefill import PrefillServer
+from disagg.sim.cluster import Sim
 
 
 def experiment(
@@ -213,6 +214,8 @@ def test_disaggregated_equals_colocated(
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
     assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump()
     assert ran["kv"]["pages"] == 128
+    replay = Sim(load_experiment(tmp_path / "disagg"))  # the run simulated as it ran
+    assert [n.pool.num_pages for n in replay.nodes] == [128, 128]
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
     assert sorted(finished) == sorted(reference)

@@ -163,6 +163,13 @@ def test_transfers_within_the_timeout_are_untouched_by_it() -> None:
     assert (a[0].status == "finished").all()
 
 
+def test_a_pool_given_is_the_pool_simulated_and_one_too_big_is_a_config_error() -> None:
+    sim = Sim(load_experiment(EXPERIMENTS / "tiny-disagg.toml", ["kv.pages=77"]))
+    assert [n.pool.num_pages for n in sim.nodes] == [77, 77]
+    with pytest.raises(ConfigError, match=r"kv.pages=10000000000: a cluster.prefill node"):
+        Sim(load_experiment(EXPERIMENTS / "r1-disagg-1p3d.toml", ["kv.pages=10000000000"]))
+
+
 def test_a_model_that_does_not_fit_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="does not fit"):
         Sim(

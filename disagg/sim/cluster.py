@@ -38,7 +38,8 @@ Proc = Generator[simpy.Event, Any, None]
 
 
 def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
-    """KV pages one node of `group` can hold: HBM left after weights and a reserve."""
+    """KV pages of one node of `group`: `kv.pages` if set, else what the HBM left after
+    weights and a reserve holds."""
     spec, hw, kv = exp.model.spec, exp.hardware, exp.kv
     gpu_bytes = hw.gpu_spec.hbm_bytes * kv.memory_fraction
     weights = spec.weight_bytes(exp.model.weight_dtype) / group.gpus_per_node
@@ -52,6 +53,13 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
             f"GPU (tp={group.tp} x dp={group.dp}) leave {free / 1e9:.1f} GB of "
             f"{hw.gpu_spec.hbm_bytes / 1e9:.0f} GB for the KV cache on {hw.gpu}"
         )
+    if kv.pages is not None:  # as given (a hw run records the pool it ran with)
+        if kv.pages > pages:
+            raise ConfigError(
+                f"kv.pages={kv.pages}: a cluster.{role} node of {spec.name} on {hw.gpu} holds "
+                f"at most {pages} pages"
+            )
+        return kv.pages
     return pages
 
 
