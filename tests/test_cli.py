@@ -5,65 +5,78 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from disagg.cli import app
+from disagg.config import load_experiment
+from disagg.core.metrics import STEP_COLUMNS, TRANSFER_COLUMNS
+from disagg.core.workload import generate
 
 runner = CliRunner()
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 
 
 def test_sim_run_writes_the_tables_and_summary(tmp_path: Path) -> None:
+    """The built-in R1 1P:3D experiment for 15 s: the tables hold the workload's requests, all
+    finished with consistent timestamps, and the summary is computed from those tables."""
     out = tmp_path / "run"
     res = runner.invoke(app, ["sim", "run", "--out", str(out), "--set", "workload.duration_s=15"])
     assert res.exit_code == 0, res.output
     assert "TTFT p50" in res.output and "results in" in res.output
+    exp = load_experiment(None, ["workload.duration_s=15"])
+    arrivals = generate(exp.workload, exp.seed)
+    assert len(arrivals) > 20  # about 3 per second
     req = pd.read_parquet(out / "requests.parquet")
-    for col in (
-        "request_id",
-        "arrival_s",
-        "prompt_tokens",
-        "output_tokens",
-        "prefill_node",
-        "decode_node",
-        "first_token_s",
-        "finish_s",
-        "ttft_s",
-        "tpot_s",
-        "status",
+    assert req.request_id.tolist() == [a.request_id for a in arrivals]
+    assert req.arrival_s.tolist() == [a.arrival_s for a in arrivals]
+    assert req.prompt_tokens.tolist() == [a.prompt_tokens for a in arrivals]
+    assert req.output_tokens.tolist() == [a.output_tokens for a in arrivals]
+    assert (req.status == "finished").all() and (req.attempts == 1).all()
+    # one prefill node, three decode nodes; each stage after the one before
+    assert set(req.prefill_node) == {0} and set(req.decode_node) <= {0, 1, 2}
+    for earlier, later in (
+        ("arrival_s", "prefill_start_s"),
+        ("prefill_start_s", "prefill_end_s"),
+        ("prefill_end_s", "ready_s"),
+        ("ready_s", "first_token_s"),
+        ("first_token_s", "finish_s"),
     ):
-        assert col in req.columns
+        assert (req[later] > req[earlier]).all(), (earlier, later)
+    np.testing.assert_allclose(req.ttft_s, req.first_token_s - req.arrival_s, rtol=1e-12)
+    tpot = (req.finish_s - req.first_token_s) / (req.output_tokens - 1)
+    np.testing.assert_allclose(req.tpot_s, tpot, rtol=1e-12)
+
     steps = pd.read_parquet(out / "steps.parquet")
-    assert {"node", "kind", "start_s", "duration_s", "tokens", "batch_size"} <= set(steps)
+    assert list(steps.columns) == STEP_COLUMNS
+    assert (steps.duration_s > 0).all() and (steps.steps >= 1).all()
+    assert set(steps.node) == {"prefill0", "decode0", "decode1", "decode2"}
+    # every prompt token but the last (the decoder's first pass) is prefilled once
+    prefill = steps[steps.node == "prefill0"]
+    assert (prefill.decode_seqs == 0).all()
+    assert int((prefill.steps * prefill.prefill_tokens).sum()) == int((req.prompt_tokens - 1).sum())
+    assert (steps[steps.node != "prefill0"].prefill_tokens == 0).all()
+
     xfers = pd.read_parquet(out / "transfers.parquet")
-    assert list(xfers.columns[:7]) == [
-        "request_id",
-        "prefill_node",
-        "decode_node",
-        "bytes",
-        "ops",
-        "start_s",
-        "end_s",
-    ]
+    assert list(xfers.columns) == TRANSFER_COLUMNS
+    assert xfers.request_id.tolist() == req.request_id.tolist()  # one transfer per request
+    assert (xfers.decode_node == req.decode_node).all()
+    assert (xfers.bytes > 0).all() and (xfers.ops > 0).all()
+    assert (xfers.start_s >= req.prefill_start_s).all()
+    np.testing.assert_allclose(xfers.end_s, req.ready_s, rtol=1e-12)  # ready: all landed
+
     summary = json.loads((out / "summary.json").read_text())
-    for key in (
-        "ttft_s_p50",
-        "ttft_s_p90",
-        "ttft_s_p99",
-        "tpot_s_p50",
-        "tpot_s_p90",
-        "tpot_s_p99",
-        "tps_per_user_p50",
-        "output_tps_per_gpu",
-        "completed",
-        "failed",
-        "simulated_s",
-        "wall_s",
-    ):
-        assert key in summary
-    assert summary["completed"] == len(req) and summary["failed"] == 0
+    assert (summary["completed"], summary["failed"], summary["unfinished"]) == (len(req), 0, 0)
+    assert summary["gpus"] == 4 * 8  # 1 + 3 nodes of TP 8
+    assert summary["simulated_s"] == req.finish_s.max()
+    assert summary["ttft_s_p50"] == pytest.approx(float(np.median(req.ttft_s)), rel=1e-12)
+    assert summary["tpot_s_p50"] == pytest.approx(float(np.median(req.tpot_s)), rel=1e-12)
+    tokens_per_gpu_s = req.output_tokens.sum() / req.finish_s.max() / 32
+    assert summary["output_tps_per_gpu"] == pytest.approx(tokens_per_gpu_s, rel=1e-12)
+    assert summary["transfer_bytes_per_request"] == pytest.approx(xfers.bytes.mean(), rel=1e-12)
+    assert summary["itl_s_p50"] > 0 and summary["itl_s_p50"] <= summary["itl_s_p999"]
 
 
 def test_compare_and_plot(tmp_path: Path) -> None:

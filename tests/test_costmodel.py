@@ -7,13 +7,15 @@ import pytest
 from disagg.config import CostConfig, GroupConfig, SpecConfig
 from disagg.errors import ConfigError
 from disagg.hardware import H200_SXM
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B
+from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, ModelSpec
 from disagg.sim.costmodel import ProfileCost, RooflineCost, StepShape, chunk_attn_pairs
 
 COST = CostConfig()
 
 
-def roofline(model=LLAMA_31_70B, tp: int = 8, dp: int = 1, draft: int = 0) -> RooflineCost:
+def roofline(
+    model: ModelSpec = LLAMA_31_70B, tp: int = 8, dp: int = 1, draft: int = 0
+) -> RooflineCost:
     return RooflineCost(
         model,
         H200_SXM,
@@ -23,14 +25,28 @@ def roofline(model=LLAMA_31_70B, tp: int = 8, dp: int = 1, draft: int = 0) -> Ro
     )
 
 
+# Hand arithmetic from published shapes and datasheet figures (H200: 989e12 bf16 FLOP/s,
+# 4.8e12 B/s HBM, 450e9 B/s NVLink) and CostConfig's default efficiencies.
+GEMM_FLOPS = 989e12 * 0.7  # 692.3e12 FLOP/s
+ATTN_FLOPS = 989e12 * 0.6
+HBM = 4.8e12 * 0.7  # 3.36e12 B/s
+NVLINK = 450e9 * 0.7  # 315e9 B/s
+
+# Llama 3.1 70B: hidden 8192, 80 layers, 64 heads, 8 KV heads of 128, MLP 28672, vocab 128256.
+# Per layer: q and o 8192*8192 each, k and v 8192*1024 each, MLP 3*8192*28672.
+L70_ATTN = 2 * 8192 * 8192 + 2 * 8192 * 1024  # 150,994,944
+L70_MLP = 3 * 8192 * 28672  # 704,643,072
+L70_ACTIVE = 80 * (L70_ATTN + L70_MLP) + 128256 * 8192  # + LM head = 69,501,714,432
+
+
 def test_prefill_is_compute_bound_at_8k_tokens() -> None:
-    c = roofline()
+    c = roofline()  # TP 8
     n = 8192
-    flops_s = n * c.dense_flops_per_token / c.flops
-    bytes_s = c.dense_bytes / c.hbm
+    flops_s = n * 2 * L70_ACTIVE / 8 / GEMM_FLOPS  # 0.2056 s
+    bytes_s = L70_ACTIVE * 2 / 8 / HBM  # bf16 weights: 5.17 ms
     assert flops_s > 20 * bytes_s
-    # doubling the tokens roughly doubles the GEMM time
-    assert c._gemm(2 * n) == pytest.approx(2 * c._gemm(n), rel=0.01)
+    assert c._gemm(n) == pytest.approx(flops_s, rel=1e-9)
+    assert c._gemm(2 * n) == pytest.approx(2 * flops_s, rel=1e-9)
 
 
 def test_decode_is_memory_bound_at_small_batches() -> None:
@@ -61,18 +77,98 @@ def test_mla_reads_the_whole_latent_on_every_tp_rank() -> None:
     assert gqa1.kv_read_per_token == 8 * gqa8.kv_read_per_token  # heads split
 
 
+# DeepSeek-V3 (hidden 7168, 61 layers, 3 dense, 58 MoE layers of 256 experts, top 8, width 2048).
+DSV3_EXPERT = 3 * 7168 * 2048  # 44,040,192 parameters
+DSV3_ATTN = (  # MLA per layer: q down/up, kv down (latent + rope), kv up, o
+    7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+)  # 187,105,280
+DSV3_DENSE = (  # every parameter a token meets outside the routed experts
+    61 * DSV3_ATTN
+    + 3 * 3 * 7168 * 18432  # dense MLPs
+    + 58 * (DSV3_EXPERT + 7168 * 256)  # shared expert and router
+    + 129280 * 7168  # LM head
+)  # 16,189,947,904
+# All 256 routed experts of 58 layers read once, bf16, spread over 8 GPUs: 48.65 ms
+DSV3_ALL_EXPERTS_S = 256 * DSV3_EXPERT * 58 * 2 / 8 / HBM
+
+
 def test_moe_expert_reads_grow_with_distinct_experts_then_saturate() -> None:
-    c = roofline(DEEPSEEK_V3)
-    t1, t64, t4k, t8k = (c._gemm(n) for n in (1, 64, 4096, 8192))
-    assert t1 < t64 < t4k < t8k
-    # at 1 token, 8 of 256 experts are read: far from reading them all
-    assert t64 > 5 * t1
+    c = roofline(DEEPSEEK_V3)  # TP 8
+    dense_bytes_s = DSV3_DENSE * 2 / 8 / HBM  # 1.20 ms, memory-bound at 1 token
+    dense_flops_s_per_token = 2 * DSV3_DENSE / 8 / GEMM_FLOPS  # 5.85 us
+    # one token reads exactly its 8 of 256 experts
+    assert c._gemm(1) == pytest.approx(dense_bytes_s + 8 / 256 * DSV3_ALL_EXPERTS_S, rel=1e-9)
+    # 64 tokens touch 256 * (1 - (31/32)^64) = 256 * (1 - 0.1311) = 222.44 distinct experts
+    distinct_64 = 256 * (1 - (1 - 8 / 256) ** 64)
+    assert distinct_64 == pytest.approx(222.44, abs=0.005)
+    assert c._gemm(64) == pytest.approx(
+        dense_bytes_s + distinct_64 / 256 * DSV3_ALL_EXPERTS_S, rel=1e-9
+    )
+    # by 1024 tokens every expert is read: the expert term is at its ceiling and stays there
+    # while the tokens double (expert FLOPs at 2048 tokens, 15 ms, are still under the reads)
+    assert c._gemm(1024) == pytest.approx(
+        1024 * dense_flops_s_per_token + DSV3_ALL_EXPERTS_S, rel=1e-9
+    )
+    assert c._gemm(2048) - c._gemm(1024) == pytest.approx(1024 * dense_flops_s_per_token, rel=1e-6)
+    # at 8192 tokens the routed FLOPs (2 * 8192 * 8 experts * 58 layers / 8 GPUs) pass the reads
+    expert_flops_s = 2 * 8192 * 8 * DSV3_EXPERT * 58 / 8 / GEMM_FLOPS  # 60.4 ms
+    assert expert_flops_s > DSV3_ALL_EXPERTS_S
+    assert c._gemm(8192) == pytest.approx(8192 * dense_flops_s_per_token + expert_flops_s, rel=1e-9)
 
 
-def test_tp_allreduce_and_overheads_add_time() -> None:
-    assert roofline(tp=1)._comm(1024) == 0
-    assert roofline(tp=8)._comm(1024) > 0
-    assert roofline(DEEPSEEK_V3, tp=1, dp=8)._comm(1024) > 0  # MoE all-to-all
+def cost_with(
+    model: ModelSpec = LLAMA_31_70B, tp: int = 8, dp: int = 1, **cost: float
+) -> RooflineCost:
+    return RooflineCost(
+        model, H200_SXM, GroupConfig(tp=tp, dp=dp), CostConfig.model_validate(cost), SpecConfig()
+    )
+
+
+SHAPES = [
+    StepShape(prefill_tokens=1024, prefill_attn_pairs=chunk_attn_pairs(0, 1024)),
+    StepShape(decode_seqs=16, decode_context=16 * 2000),
+    StepShape(prefill_tokens=100, prefill_attn_pairs=chunk_attn_pairs(50, 100), decode_seqs=3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_overheads_add_step_plus_layers_times_layer_overhead(shape: StepShape) -> None:
+    bare = cost_with(step_overhead_s=0.0, layer_overhead_s=0.0)
+    step_only = cost_with(step_overhead_s=0.002, layer_overhead_s=0.0)
+    both = cost_with(step_overhead_s=0.002, layer_overhead_s=10e-6)
+    base = bare.step_time(shape)
+    assert step_only.step_time(shape) - base == pytest.approx(0.002, rel=1e-9)
+    # 0.002 + 80 layers * 10 us = 2.8 ms
+    assert both.step_time(shape) - base == pytest.approx(0.0028, rel=1e-9)
+    assert both.step_time(StepShape()) == 0.0  # an empty step costs nothing, overheads included
+
+
+def test_decode_line_intercept_carries_the_overheads() -> None:
+    a_bare, b_bare = cost_with(step_overhead_s=0.0, layer_overhead_s=0.0).decode_line(16)
+    a, b = cost_with(step_overhead_s=0.002, layer_overhead_s=10e-6).decode_line(16)
+    assert a - a_bare == pytest.approx(0.0028, rel=1e-9)
+    assert b == b_bare
+
+
+def test_tp_allreduce_is_two_ring_allreduces_per_layer() -> None:
+    # 1024 tokens of 8192 bf16 activations = 16,777,216 B; a ring all-reduce over 8 GPUs sends
+    # 2 * 7/8 of it per GPU; two per layer over 80 layers: 160 * 29,360,128 = 4,697,620,480 B
+    expected_s = 160 * 2 * 7 / 8 * (1024 * 8192 * 2) / NVLINK  # 14.9 ms
+    assert expected_s == pytest.approx(4_697_620_480 / 315e9, rel=1e-12)
+    assert roofline(tp=8)._comm(1024) == pytest.approx(expected_s, rel=1e-9)
+    assert roofline(tp=1)._comm(1024) == 0.0
+    # and it is in the step time: only the all-reduce depends on allreduce_efficiency, so halving
+    # the efficiency adds the all-reduce time once more
+    shape = SHAPES[0]
+    slow = cost_with(allreduce_efficiency=0.35).step_time(shape)
+    assert slow - cost_with().step_time(shape) == pytest.approx(expected_s, rel=1e-9)
+
+
+def test_dp_attention_moe_all_to_all_is_dispatch_plus_combine() -> None:
+    # DeepSeek-V3 on 8 GPUs of DP attention: 1024 tokens each send their top-8 hidden states
+    # (7168 bf16) out and back over 58 MoE layers, spread over 8 GPUs
+    expected_s = 58 * 2 * (1024 * 7168 * 2) * 8 / 8 / NVLINK  # 5.41 ms
+    assert roofline(DEEPSEEK_V3, tp=1, dp=8)._comm(1024) == pytest.approx(expected_s, rel=1e-9)
 
 
 def test_chunk_attention_pairs() -> None:
@@ -94,8 +190,8 @@ def test_profile_cost_interpolates(tmp_path: Path) -> None:
     assert c.step_time(
         StepShape(prefill_tokens=768, prefill_attn_pairs=768 * 769 / 2)
     ) == pytest.approx(0.0015)
-    a, b = c.decode_line(8)
-    assert a == pytest.approx(0.01) and b == pytest.approx(1e-7)
+    a, slope = c.decode_line(8)
+    assert a == pytest.approx(0.01) and slope == pytest.approx(1e-7)
     assert c.step_time(StepShape(decode_seqs=8, decode_context=16000)) == pytest.approx(0.0116)
 
 

@@ -12,10 +12,16 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 
 import torch
 
-from disagg.hw import runner as runner_mod
-from disagg.hw.batch import BatchMeta, Seq
+from disagg.hw.batch import Seq
 from disagg.hw.model import Transformer
-from disagg.hw.runner import GRAPH_BATCHES, LayerCounter, LayerWatcher, Runner
+from disagg.hw.runner import (
+    GRAPH_BATCHES,
+    LayerCounter,
+    LayerWatcher,
+    Runner,
+    batches_to_capture,
+    graph_batch_for,
+)
 from disagg.hw.specs import small_gqa, small_mla, tiny_gqa, tiny_mla
 
 PROMPTS = [[5, 9, 2, 7, 7, 1, 30, 4, 8], [11, 3, 6], [40, 41, 42, 43, 44, 45, 46]]
@@ -48,8 +54,11 @@ def test_watcher_sees_layer_counts_in_order() -> None:
 
 
 def test_watcher_hands_callback_errors_to_stop() -> None:
+    def fail(_: int) -> None:
+        raise ZeroDivisionError("the callback failed")
+
     counter = LayerCounter(torch.device("cpu"))
-    watcher = LayerWatcher(counter, lambda n: 1 / 0).start()
+    watcher = LayerWatcher(counter, fail).start()
     counter.bump()
     time.sleep(0.05)
     with pytest.raises(ZeroDivisionError):
@@ -143,31 +152,66 @@ def test_gpu_plan_ahead_only_replays_its_graph_and_gives_the_same_logits() -> No
     assert a.planned_ahead == 1
 
 
-def test_graphs_are_captured_up_to_the_batch_limit_and_later_captures_counted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A server captures every graph its decode steps can replay, from batch 1 to the first
-    size that holds its batch limit; a graph a step still has to capture is counted (the
-    servers report it: a step that paid for a capture)."""
+def test_a_decode_step_replays_the_smallest_graph_that_holds_it() -> None:
+    assert [graph_batch_for(GRAPH_BATCHES, n) for n in (1, 2, 3, 5, 8, 9, 100, 128)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        128,
+        128,
+    ]
+    assert graph_batch_for(GRAPH_BATCHES, 129) is None  # runs eagerly
+    assert graph_batch_for((4, 1), 2) == 4  # any order
+    assert graph_batch_for((), 1) is None  # no graphs (CPU)
+
+
+def test_graphs_to_capture_run_up_to_the_first_size_that_holds_the_batch_limit() -> None:
+    for limit, want in (
+        (1, [1]),
+        (3, [1, 2, 4]),
+        (8, [1, 2, 4, 8]),
+        (10, [1, 2, 4, 8, 16]),
+        (128, list(GRAPH_BATCHES)),
+        (500, list(GRAPH_BATCHES)),  # larger batches run eagerly: no graph for them
+    ):
+        assert batches_to_capture(GRAPH_BATCHES, limit) == want, limit
+    assert batches_to_capture((1, 3), 2) == [1, 3]
+    assert batches_to_capture((), 8) == []
+
+
+def test_a_cpu_runner_captures_nothing_and_decodes_eagerly() -> None:
     m = Transformer(tiny_gqa(), seed=0)
     runner = Runner(m, m.new_cache(8, PAGE))
-    runner.graph_batches = list(GRAPH_BATCHES)  # as on a GPU; captures recorded, not made
-    captured: list[int] = []
+    assert runner.graph_batches == []
+    runner.capture_up_to(8)
+    runner.step([Seq.of(PROMPTS[1], 0, (0, 1))])
+    runner.step([Seq.of([5], len(PROMPTS[1]), (0, 1))])
+    assert runner.captured == [] and runner.captured_on_demand == 0
 
-    def fake(_: Runner, batch: int) -> object:
-        captured.append(batch)
-        return object()
 
-    monkeypatch.setattr(runner_mod, "_DecodeGraph", fake)
-    for limit, want in ((1, [1]), (8, [1, 2, 4, 8]), (10, [1, 2, 4, 8, 16]), (500, GRAPH_BATCHES)):
-        captured.clear()
-        runner._graphs.clear()
-        runner.capture_up_to(limit)
-        assert sorted(captured) == list(want) == runner.captured
-    assert runner.captured_on_demand == 0
-    runner._graphs = {1: object()}  # type: ignore[dict-item]
-    one, three = ([Seq.of([5], 3, (0,))] * n for n in (1, 3))
-    runner._graph_for(BatchMeta.of(one, PAGE, 8))
-    assert runner.captured_on_demand == 0  # captured already
-    runner._graph_for(BatchMeta.of(three, PAGE, 8))
-    assert runner.captured_on_demand == 1 and 4 in runner._graphs  # a step would pay for it
+@gpu
+@pytest.mark.gpu
+def test_gpu_graphs_are_captured_up_to_the_limit_and_replay_the_eager_logits() -> None:
+    """A runner captures graphs 1, 2 and 4 for a batch limit of 3; a step of 3 sequences
+    replays the graph of 4 and gives an eager runner's logits; a step of 5 (over the limit)
+    captures the graph of 8 then, which is counted (the servers report it)."""
+    pytest.importorskip("flashinfer", reason="decode graphs need FlashInfer")
+    m = Transformer(small_gqa(), seed=4, device="cuda")
+    graphs = Runner(m, m.new_cache(48, PAGE))
+    eager = Runner(m, m.new_cache(48, PAGE), graph_batches=())
+    graphs.capture_up_to(3)
+    assert graphs.captured == [1, 2, 4] and not graphs.graph_error
+    assert graphs.captured_on_demand == 0
+    for r in (graphs, eager):
+        r.step([Seq.of(p, 0, _pages(i)) for i, p in enumerate(PROMPTS)])
+    batch = [Seq.of([7], len(p), _pages(i)) for i, p in enumerate(PROMPTS)]
+    got, want = graphs.step(batch).logits, eager.step(batch).logits
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert graphs.captured == [1, 2, 4] and graphs.captured_on_demand == 0
+    five = [Seq.of([9], 20, _pages(i)) for i in range(5)]
+    graphs.step(five)
+    assert graphs.captured == [1, 2, 4, 8] and graphs.captured_on_demand == 1
+    assert eager.captured == []

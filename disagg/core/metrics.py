@@ -179,19 +179,23 @@ def _pcts(values: pd.Series, name: str) -> dict[str, float]:
 def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
     """Percentiles of the pass time each decoding sequence waits for its next token(s): every
     pass that carries decodes (decode-only or mixed with prefill), weighted by the sequences it
-    carries. A prefill that shares a pass with decodes shows up here as stutter."""
+    carries. A prefill that shares a pass with decodes shows up here as stutter. The p-th
+    percentile is the smallest pass time with at least p of the weight at or below it."""
     dec = steps[steps.decode_seqs > 0]
-    names = {50: "p50", 90: "p90", 99: "p99", 99.9: "p999"}
+    names = {500: "p50", 900: "p90", 990: "p99", 999: "p999"}  # per mille
     if dec.empty:
         return {f"itl_s_{n}": math.nan for n in names.values()}
     per_pass = (dec.duration_s / dec.steps).to_numpy(float)
     weight = (dec.steps * dec.decode_seqs).to_numpy(float)
     order = np.argsort(per_pass, kind="stable")
-    cum = np.cumsum(weight[order]) / weight.sum()
+    # compared in whole numbers, exactly: as fractions, 99.9 / 100 rounds above 999 / 1000 and
+    # p99.9 of 1000 passes would skip to the slowest
+    cum_x1000 = np.cumsum(weight[order]) * 1000
+    total = float(weight.sum())
     last = len(per_pass) - 1
     return {
-        f"itl_s_{n}": float(per_pass[order][min(int(np.searchsorted(cum, p / 100)), last)])
-        for p, n in names.items()
+        f"itl_s_{n}": float(per_pass[order][min(int(np.searchsorted(cum_x1000, q * total)), last)])
+        for q, n in names.items()
     }
 
 

@@ -27,6 +27,18 @@ from disagg.hw.model import ForwardOut, Transformer
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def graph_batch_for(graph_batches: Sequence[int], batch: int) -> int | None:
+    """The graph size a decode step of `batch` sequences replays: the smallest of
+    `graph_batches` that holds it (the rest of its rows are padding); None if none does."""
+    return min((b for b in graph_batches if b >= batch), default=None)
+
+
+def batches_to_capture(graph_batches: Sequence[int], max_batch: int) -> list[int]:
+    """Every graph size that decode steps of 1..`max_batch` sequences replay, ascending."""
+    sizes = {graph_batch_for(graph_batches, n) for n in range(1, max_batch + 1)}
+    return sorted(b for b in sizes if b is not None)
+
+
 class LayerCounter:
     """Layers completed since creation: bumped by the model, read by a polling thread.
 
@@ -212,11 +224,9 @@ class Runner:
 
     def capture_up_to(self, max_batch: int) -> None:
         """Capture every graph a decode step of at most `max_batch` sequences replays, so that
-        no step pays a capture when a batch size first occurs (for Llama-8B on an H200 the
-        first capture took 245-359 ms inside a step, later ones 40-100 ms). Nothing where
-        steps run eagerly."""
-        sizes = [b for b in self.graph_batches if b < max_batch]
-        sizes += [b for b in self.graph_batches if b >= max_batch][:1]
+        no step pays a capture (many times a step's time) when a batch size first occurs.
+        Nothing where steps run eagerly."""
+        sizes = batches_to_capture(self.graph_batches, max_batch)
         if sizes:
             self.capture(sizes)
 
@@ -236,8 +246,8 @@ class Runner:
     def _graph_for(self, meta: BatchMeta) -> _DecodeGraph | None:
         if not meta.is_decode:
             return None
-        fits = [b for b in self.graph_batches if b >= meta.batch]
-        return self._graph(fits[0], on_demand=True) if fits else None
+        size = graph_batch_for(self.graph_batches, meta.batch)
+        return None if size is None else self._graph(size, on_demand=True)
 
     def _mark_staged(self) -> None:
         if self.device.type == "cuda":
@@ -277,7 +287,7 @@ class Runner:
         buffers), so that the next step, if it is of exactly this batch, only replays the
         graph. The plan reads page numbers and lengths, not the pages: a decoder with nothing
         to run plans a request's first pass while its KV is still inbound, which takes the
-        planning (0.4-0.8 ms of host time on an H200 host after idling) off its TTFT.
+        planning's host time off its TTFT.
         False (nothing done) where the step would not replay a graph."""
         meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
         graph = self._graph_for(meta)
