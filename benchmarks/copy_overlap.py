@@ -4,11 +4,10 @@
     python benchmarks/copy_overlap.py --work prefill --tokens 32768 --compute-device 0 \
         --copy-to 1 --out DIR        # the real prefill, copies posted layer by layer
 
-On two GPUs the layer-wise disaggregated prefill of 32k tokens ran about 30 ms (2.5%) slower
-than the same prefill with whole-request transfer, on either GPU, while the copies it overlapped
-add up to 11 ms (benchmarks/results/gpu_2026-11-29d.md). This runs some work on the compute
-device alone, then with `--layers` copies of `--layer-mib` MiB to `--copy-to` (another GPU: peer
-copies over NVLink; the same GPU: local copies) on a side stream:
+Layer-wise transfer overlaps the prefill with its copies; this tells whether the copies slow the
+work they overlap by more than their own time (on two H200s they did: docs/results.md). It runs
+some work on the compute device alone, then with `--layers` copies of `--layer-mib` MiB to
+`--copy-to` (another GPU: peer copies over NVLink; the same GPU: local copies) on a side stream:
 
 - `--work gemm`: a bf16 GEMM loop (`--gemms` x 8192^3), the copies issued all at once;
 - `--work prefill`: one prefill of `--tokens` tokens through `--model` at full depth (FlashInfer

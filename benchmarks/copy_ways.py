@@ -4,9 +4,8 @@
 
 The layers of both sides lie in one allocation each (`[layers, pool]` bytes, as KVCache holds
 them); a request's pages are one run at the same offset of every layer. A whole-request post
-(or a layer-wise post that caught up several layers) moves `layers` such runs. On one H200 the
-wire's per-layer copies reach 73% of one plain copy of the same bytes at 4k tokens and a driver
-2D copy 76% (benchmarks/results/gpu_2026-11-29e.md); this times the other ways of issuing the
+(or a layer-wise post that caught up several layers) moves `layers` such runs, and how they
+are issued decides how near one plain copy the wire gets. This times the ways of issuing the
 same bytes: one copy per layer, torch's batched `_foreach_copy_` over the layers' runs (bytes and
 8-byte words), one strided `copy_` of the `[layers, run]` view (bytes, words, 16-byte words),
 and the driver's copies (one per layer, or one 2D copy). On two GPUs torch's copies are peer

@@ -5,13 +5,12 @@ against the passes that follow (one process, one GPU: CUDA graphs and FlashInfer
     python benchmarks/first_pass.py --device cpu --model tiny-gqa --prompt 64 --idle-s 0.05 \
         --out DIR        # a dry run without a GPU (no graphs: the parts read n/a)
 
-Why: in gpu_ttft's runs a decoder's first pass of each request is 0.2-0.35 ms slower in wall
-time than its later passes, with the same device time (gpu_2026-11-29g.md). This times a
-pass's parts (the batch's metadata, `prepare`: attention plan and inputs, `replay`: the
-graph's launch, the tail: sampling, which waits for the device) under three conditions, in
-turn: a new request after idling (what the decoder does), the same request after idling, and
-a new request at once. Each request's KV is written by a prefill pass on this runner.
-"""
+Why: a request's first decode pass is on TTFT's path, and any host time it spends beyond a
+steady pass's (same device time) adds to TTFT. This times a pass's parts (the batch's metadata,
+`prepare`: attention plan and inputs, `replay`: the graph's launch, the tail: sampling, which
+waits for the device) under three conditions, in turn: a new request after idling (what the
+decoder does), the same request after idling, and a new request at once. Each request's KV is
+written by a prefill pass on this runner."""
 
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
     python benchmarks/wire_latency.py --wire cuda --src-device 0 --dst-device 0 --out DIR
     python benchmarks/wire_latency.py --wire tcp --out DIR          # any machine
 
-On one H200 a 4k-token request's pages (32 layers, one allocation on both sides) copy in
-0.26 ms, yet the post completes about 1.7 ms after it starts (gpu_bench's end-to-end column):
-that fixed cost is most of whole-request TTFT's "end to ready" at 2k tokens. This times, for
+A post completes later than its copies end (gpu_bench's end-to-end column against its copy
+time), and that fixed cost is on whole-request TTFT's path ("end to ready"). This times, for
 a post of one tiny unit, of one layer of a request (a layer-wise post), and of all its layers
 (whole-request), the median of:
 - post: the host time inside `wire.post` (validation, planning, launching the copies);

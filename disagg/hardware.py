@@ -76,14 +76,13 @@ H200_SXM = GPU(
 )
 CONNECTX_7 = NIC("ConnectX-7", bandwidth_gbps=400, latency_s=3e-6, op_cost_s=0.25e-6)
 EFA = NIC("EFA", bandwidth_gbps=400, latency_s=15e-6, op_cost_s=1.0e-6)
-# The hw backend's cuda wire as measured on H200s, to simulate a run of prefill and decode
-# processes on one host (benchmarks/results/gpu_2026-11-29e.md, -f.md). Bandwidth: a request's
-# pages copied on one GPU (2,090 GB/s), or as NVLink peer copies between two (390 GB/s).
-# Latency: a small post's completion, notification included (0.17 / 0.13 ms). Per write (the
-# simulator counts one per page per layer; the wire coalesces runs and gathers scattered pages):
-# 0.2 us, from a 2k request's whole post of 4096 pages in 0.66 ms and a 32k layer of 2048
-# scattered pages at 322-374 GB/s end to end. Between 64 and 512 scattered pages a post goes as
-# a batched copy at about 1.3 us per page, which this leaves out.
+# The hw backend's cuda wire on H200s, as NICs, to simulate a run of prefill and decode
+# processes on one host: one GPU (`cuda-H200`) or two joined by NVLink (`NVLink-H200`).
+# Bandwidth: a request's pages copied on the GPU, or as peer copies. Latency: a small post's
+# completion, notification included. Per write: the simulator counts one per page per layer,
+# while the wire coalesces runs and gathers scattered pages, so this is the per-page cost of a
+# coalesced post; the dearer batched copies of 64-512 scattered pages are left out. Where each
+# figure comes from: docs/calibration.md.
 CUDA_H200 = NIC("cuda-H200", bandwidth_gbps=16_700, latency_s=170e-6, op_cost_s=0.2e-6)
 NVLINK_H200 = NIC("NVLink-H200", bandwidth_gbps=3_120, latency_s=130e-6, op_cost_s=0.2e-6)
 

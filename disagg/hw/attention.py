@@ -34,9 +34,8 @@ MLA_BACKEND = "fa2"
 # GQA decode kernel: "cuda-cores" (FlashInfer's decode kernel), or "fa2" / "fa3": tensor cores,
 # FlashInfer's prefill kernel of that backend with a KV group's query heads as rows ("fa3" is
 # the module the prefill wrapper builds anyway; "fa2" is one more JIT build). Read when a
-# wrapper is made. One Llama-3.1-8B layer's decode attention at batch 128 x 4k context on an
-# H200 (benchmarks/results/gpu_2026-11-29b.md): fa2 0.49 ms (4.4 TB/s of KV), cuda-cores
-# 0.75 ms, fa3 2.17 ms.
+# wrapper is made. The default is the fastest of the three on Hopper at the catalogue's GQA
+# shapes (the measured figures: docs/results.md).
 DECODE_BACKEND = "fa2"
 DECODE_BACKENDS = ("cuda-cores", "fa2", "fa3")
 
