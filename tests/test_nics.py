@@ -111,7 +111,9 @@ def test_gid_choice_prefers_ipv4_mapped_roce_v2(tmp_path: Path) -> None:
     fake_port(tmp_path, "mlx5_4", {2: (V4, "RoCE v2"), 5: (V4, "RoCE v2")}, "Ethernet")
     assert pick_gid_index("mlx5_4", 1, tmp_path) == 2  # the lowest of equals
     fake_port(tmp_path, "mlx5_2", {0: (LINK_LOCAL, "IB/RoCE v1")}, "Ethernet")
-    with pytest.raises(TransportError, match=r"no RoCE v2 GID found on mlx5_2 port 1.*hw.verbs.gid_index"):
+    with pytest.raises(
+        TransportError, match=r"no RoCE v2 GID found on mlx5_2 port 1.*hw.verbs.gid_index"
+    ):
         pick_gid_index("mlx5_2", 1, tmp_path)
     fake_port(tmp_path, "mlx5_3", {0: (LINK_LOCAL, "IB/RoCE v1")}, "InfiniBand")
     assert pick_gid_index("mlx5_3", 1, tmp_path) == 0

@@ -45,6 +45,9 @@ class FakePort:
     def set_timer(self, at_s: float) -> None:
         self.timers.append(at_s)
 
+    def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
+        return Request(req_id, 0.0, prompt_tokens, 1, prompt=prompt)
+
     def route(self, req: Request) -> int:
         self.events.append(("route", req.id, self.t))
         return self.prefill_for_retry

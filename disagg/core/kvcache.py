@@ -73,8 +73,10 @@ class PagePool:
                 f"{self.name}: request {owner} needs {n} pages, {self.free_pages} free "
                 f"of {self.num_pages}"
             )
-        reused = min(n, len(self._free))
-        pages = [self._free.pop() for _ in range(reused)]
+        cut = max(len(self._free) - n, 0)  # freed pages are reused last freed first
+        pages = self._free[cut:][::-1]
+        del self._free[cut:]
+        reused = len(pages)
         pages += range(self._fresh, self._fresh + n - reused)
         self._fresh += n - reused
         self._owned.setdefault(owner, []).extend(pages)

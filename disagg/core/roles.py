@@ -11,6 +11,7 @@ ended, a timer fired, a peer died) and gives it a port to act through:
     set_timer(at_s)             (decode) call on_timer at `at_s` or later
     wake()                      there may be a pass to run: ask next_batch()
     route(req)                  (decode) the prefill node for a retry of `req`
+    request(id, ...)            (prefill) the request object to run for a request id
     prefilled(req) / ready(req) / finished(req)   what happened to a request, for the records
 
 A backend runs a role's passes itself: `next_batch()` says what the next forward pass computes,
@@ -23,7 +24,7 @@ too, so a policy or a failure path behaves the same in both backends by construc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Sized
 from typing import Any, Protocol, cast
 
 from disagg.core import messenger as m
@@ -86,6 +87,9 @@ class ColocatedPolicy(Protocol):
 
 
 class PrefillPort(Port, Protocol):
+    def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
+        """The request object this node runs for `req_id` (a new one, or the backend's own)."""
+
     def post(self, cmd: m.PostWrites | m.PostMetadata) -> None:
         """Start moving the bytes of `cmd`; call `PrefillRole.on_posted` when they have."""
 
@@ -107,12 +111,6 @@ class DecodePort(ColocatedPort, Protocol):
 
     def ready(self, req: Request) -> None:
         """Every planned write of `req` landed (its ready time is stamped)."""
-
-
-def _stamp_first_tokens(decodes: Sequence[Request], t_s: float) -> None:
-    for r in decodes:
-        if r.generated == 0:
-            r.first_token_s = t_s
 
 
 class _Dispatch:
@@ -158,7 +156,8 @@ class PrefillRole(_Dispatch):
         return len(self.messenger)
 
     def dispatch(self, cmds: list[m.Command]) -> None:
-        super().dispatch(cmds)
+        for cmd in cmds:
+            self.handlers[type(cmd)](cmd)
         if len(self.requests) > len(self.messenger):  # some left: prefilled, cancelled, refused
             known = self.messenger.known()
             for req_id in [r for r in self.requests if r not in known]:
@@ -176,14 +175,12 @@ class PrefillRole(_Dispatch):
         self, req_id: int, prompt_tokens: int, decode_node: int, prompt: tuple[int, ...] = ()
     ) -> None:
         """Parallel handoff: the router sent the request here and to `decode_node` at once."""
-        self.requests[req_id] = Request(req_id, 0.0, prompt_tokens, 1, prompt=prompt)
+        self.requests[req_id] = self.port.request(req_id, prompt_tokens, prompt)
         self.dispatch(self.messenger.submit(req_id, prompt_tokens, decode_node))
 
     def on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.PrefillRequest) and not msg.routed:  # the prompt comes with it
-            self.requests[msg.req_id] = Request(
-                msg.req_id, 0.0, msg.prompt_tokens, 1, prompt=msg.prompt
-            )
+            self.requests[msg.req_id] = self.port.request(msg.req_id, msg.prompt_tokens, msg.prompt)
         self.dispatch(self.messenger.on_message(msg))
 
     def on_peer_dead(self, decode_node: int, reason: str) -> None:
@@ -209,7 +206,8 @@ class PrefillRole(_Dispatch):
 
     def on_layers(self, done: int) -> None:
         """The running pass has appended `done` layers to the KV cache (the counter may jump)."""
-        self.dispatch(self.messenger.on_layers(done))
+        for cmd in self.messenger.on_layers(done):  # posts only: no request leaves here
+            self.handlers[type(cmd)](cmd)
 
     def pass_done(self, batch: Batch) -> Progress:
         """The pass of `batch` ended: finished prompts are stamped, the rest is posted."""
@@ -300,7 +298,9 @@ class DecodeRole(_Dispatch):
         self.dispatch(self.messenger.on_message(msg))
 
     def on_immediates(self, slot: int, count: int = 1, rank: int = 0) -> None:
-        self.dispatch(self.messenger.on_immediates(slot, count, rank))
+        cmds = self.messenger.on_immediates(slot, count, rank)
+        if cmds:  # most landings complete nothing: the common case costs no dispatch
+            self.dispatch(cmds)
 
     def on_peer_dead(self, prefill_node: int, reason: str) -> None:
         self.dispatch(self.messenger.on_peer_dead(prefill_node, reason))
@@ -326,7 +326,10 @@ class DecodeRole(_Dispatch):
         """`steps` passes of `batch` ended; the first of them ended at `first_token_s` (default:
         now): that is when a request decoding its first token got it."""
         now = self.port.now()
-        _stamp_first_tokens(batch.decodes, now if first_token_s is None else first_token_s)
+        first = now if first_token_s is None else first_token_s
+        for r in batch.decodes:
+            if r.generated == 0:
+                r.first_token_s = first
         progress = self.scheduler.complete(batch, steps)
         for r in progress.finished:
             r.finish_s = now

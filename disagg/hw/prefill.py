@@ -79,6 +79,9 @@ class PrefillServer(Server):
             self.role.on_peer_dead(int(peer[6:]), "no heartbeat")
 
     # -- the port (disagg.core.roles.PrefillPort)
+    def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
+        return Request(req_id, 0.0, prompt_tokens, 1, prompt=prompt)
+
     def post(self, cmd: m.PostWrites | m.PostMetadata) -> None:
         units = self.page_units(cmd) if isinstance(cmd, m.PostWrites) else [self.meta_unit(cmd)]
         self.post_units(cmd.req_id, f"decode{cmd.decode_node}", units)

@@ -178,9 +178,11 @@ class PrefillNode(Node):
         passes (metadata, a catch-up of earlier layers) starts at once."""
         self.env.process(self.sim.post(self, cmd, self.pass_step))
 
+    def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
+        return self.sim.requests[req_id]  # one object per request: its stamps are the table's
+
     def prefilled(self, req: Request) -> None:
-        shared = self.sim.requests[req.id]
-        shared.prefill_start_s, shared.prefill_end_s = req.prefill_start_s, req.prefill_end_s
+        pass  # stamped on the run's own request object
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
