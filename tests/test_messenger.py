@@ -161,13 +161,15 @@ def test_whole_request_policy_posts_once_after_last_chunk() -> None:
     assert land(dec, second) == [Ready(2)]
 
 
-def test_over_count_is_a_protocol_error_and_stale_immediates_are_counted() -> None:
+def test_over_count_and_stale_immediates_are_counted_never_a_crash() -> None:
+    """Immediates beyond a transfer's plan (spoofed, or a bug) are dropped and counted; the
+    request still becomes ready at exactly its planned count."""
     dec, pre = sides()
     msg = handoff(dec, pre, Request(1, 0.0, 17, 2))
-    with pytest.raises(ProtocolError, match="expected 5"):
-        dec.on_immediates(msg.slot, 6)
+    assert dec.on_immediates(msg.slot, 6) == [] and dec.excess_immediates == 6
     assert dec.on_immediates(999, 3) == []
     assert dec.stale_immediates == 3
+    assert dec.on_immediates(msg.slot, 5) == [Ready(1)]
 
 
 def test_one_token_prompt_is_ready_without_prefill() -> None:
@@ -512,5 +514,72 @@ def test_parallel_cancel_of_a_request_failed_at_the_decoder_wants_no_answer() ->
     dec, pre = parallel(decode_pages=2)
     pre.submit(13, 40, DECODE)
     _, cancel = dec.submit(Request(13, 0.0, 40, 10), PREFILL)
-    assert cancel.msg == CancelTransfer(13, cancel.msg.reason, reply=False)
+    assert cancel.msg == CancelTransfer(13, cancel.msg.reason, reply=False, decode_node=DECODE)
     assert pre.on_message(cancel.msg) == [Unschedule(13)] and not pre.outbound
+
+
+# ---- faults: wrong verdicts of death, stalls, unanswered cancels ---------------------------
+def test_a_cancel_of_a_request_prefill_forgot_is_answered() -> None:
+    """The prefill wrongly declared the decoder dead and forgot its request; the decoder, alive,
+    times out and cancels: the prefill answers, so the decoder frees its pages and retries."""
+    dec, pre = sides(timeout_s=1.0)
+    req = Request(1, 0.0, 40, 4)
+    handoff(dec, pre, req)
+    assert pre.on_peer_dead(DECODE, "no heartbeat") == [Unschedule(1)]
+    assert not pre.outbound and pre.pool.used_pages == 0
+    (cancel,) = dec.check_timeouts(1.0)
+    (answer,) = pre.on_message(cancel.msg)
+    assert answer == Send(DECODE, TransferAborted(1, "transfer timed out after 1 s"))
+    (retry,) = dec.on_message(answer.msg)
+    assert isinstance(retry, Retry) and dec.pool.used_pages == 0
+
+
+def test_an_unanswered_cancel_ends_the_pages_lease_and_quarantines_the_slot() -> None:
+    """A prefill node that never answers (gone, or cut off) holds the decoder's pages for one
+    more timeout at most; the slot is never reused, so a late write cannot count for another."""
+    dec, pre = sides(timeout_s=1.0)
+    req = Request(1, 0.0, 40, 4)
+    msg = handoff(dec, pre, req)
+    (_cancel,) = dec.check_timeouts(1.0)
+    assert dec.check_timeouts(1.5) == [] and dec.pool.used_pages > 0
+    (retry,) = dec.check_timeouts(2.0)
+    assert isinstance(retry, Retry) and "did not answer the cancel within 1 s" in retry.reason
+    assert dec.pool.used_pages == 0 and dec.quarantined_slots == 1
+    (again,) = dec.submit(req, PREFILL, now_s=2.0)
+    assert again.msg.slot != msg.slot
+    assert dec.on_immediates(msg.slot, 3) == [] and dec.stale_immediates == 3
+
+
+def test_a_retry_of_a_request_still_running_supersedes_it() -> None:
+    """The decoder thought the prefill node dead (it was stalled), gave the request up and
+    handed it off again to the same node: the old transfer ends, the new one runs after it."""
+    dec, pre = sides()
+    req = Request(1, 0.0, 40, 4)
+    first = handoff(dec, pre, req)
+    pre.on_batch([(1, 0, 39)])
+    (_retry,) = dec.on_peer_dead(PREFILL, "no heartbeat")
+    (send,) = dec.submit(req, PREFILL)
+    assert (send.msg.attempt, first.attempt) == (2, 1) and send.msg.slot != first.slot
+    assert pre.on_message(send.msg) == [Unschedule(1)]  # the old ends with its pass
+    assert pre.on_message(send.msg) == []  # the same message twice changes nothing
+    cmds = pre.on_batch_done()
+    assert Prefill(1, 39) in cmds  # the retry starts, on its own pages
+    out = pre.outbound[1]
+    assert out.msg == send.msg and not out.abort_reason
+
+
+def test_a_cancel_of_a_retry_waiting_for_its_older_attempt_cancels_the_retry() -> None:
+    """The retry waits for the old attempt to end; the decoder's cancel (sent after the retry)
+    is for the retry: when the old attempt ends, the retry does not start on its own."""
+    dec, pre = sides()
+    req = Request(1, 0.0, 40, 4)
+    handoff(dec, pre, req)
+    pre.on_batch([(1, 0, 39)])
+    dec.on_peer_dead(PREFILL, "no heartbeat")
+    (send,) = dec.submit(req, PREFILL)
+    pre.on_message(send.msg)
+    cancel = CancelTransfer(1, "transfer timed out after 1 s", True, DECODE)
+    assert pre.on_message(cancel) == []  # the old attempt is in the running pass
+    cmds = pre.on_batch_done()
+    assert cmds == [Send(DECODE, TransferAborted(1, "superseded by the decoder's retry"))]
+    assert 1 not in pre.outbound and not pre.waiting and pre.pool.used_pages == 0

@@ -131,7 +131,7 @@ def test_a_transfer_that_outlives_its_deadline_is_cancelled_retried_then_failed(
     port.t = 1.0
     role.on_timer()
     cancel = port.sent[-1]
-    assert cancel == ("prefill", 0, m.CancelTransfer(5, "transfer timed out after 1 s"))
+    assert cancel == ("prefill", 0, m.CancelTransfer(5, "transfer timed out after 1 s", True, 3))
     assert role.pool.used_pages > 0  # the pages wait for the prefill's answer
     role.on_message(m.TransferAborted(5, "transfer timed out after 1 s"))
     # retried through the port's router, to prefill node 1, with a new deadline
@@ -163,7 +163,7 @@ def test_a_cancel_answered_after_the_last_writes_landed_is_ignored() -> None:
     assert req.status is Status.READY and role.messenger.late_answers == 1
     assert role.next_batch().decodes == [req]
     role.on_timer()  # a timer with nothing due asks nothing
-    assert len(port.sent) == 2 and port.timers == [1.0]
+    assert len(port.sent) == 2 and port.timers == [1.0, 2.0]  # the cancel's lease
 
 
 def test_a_dead_prefill_node_frees_the_pages_and_retries_elsewhere() -> None:

@@ -46,6 +46,11 @@ TransferPolicy = Literal["layerwise", "whole"]
 Handoff = Literal["decode-first", "parallel"]
 
 
+def timeout_reason(timeout_s: float) -> str:
+    """Why a transfer was cancelled by its decoder (both backends give this text)."""
+    return f"transfer timed out after {timeout_s:g} s"
+
+
 # ---- control-plane messages (cross node boundaries: plain data) ---------------------------
 @dataclass(frozen=True)
 class PrefillRequest:
@@ -57,6 +62,7 @@ class PrefillRequest:
     dst_rank: int = 0  # decode DP rank holding the pages (0 under TP)
     prompt: tuple[int, ...] = ()  # the prompt's token ids (a simulator sends none)
     routed: bool = False  # the router sent the request to the prefill node too (parallel)
+    attempt: int = 1  # the decoder's handoff number for this request (a retry is a new one)
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,15 @@ class PrefillRejected:
 
 @dataclass(frozen=True)
 class CancelTransfer:
-    """Decode asks prefill to stop a request's transfer. `reply`: the decoder holds pages for
-    it and waits for TransferAborted; not when it failed the request before any handoff."""
+    """Decode node `decode_node` asks prefill to stop a request's transfer. `reply`: the
+    decoder holds pages for it and waits for TransferAborted; not when it failed the request
+    before any handoff. A prefill node answers even a request it does not know (it finished,
+    or the prefill declared the decoder dead and forgot it): the decoder's pages wait for it."""
 
     req_id: int
     reason: str
     reply: bool = True
+    decode_node: int = -1
 
 
 @dataclass(frozen=True)
@@ -199,8 +208,10 @@ class DecodeMessenger:
         # as possible after its request is ready (the decoder may still be reading it)
         self._free_slots: deque[int] = deque()
         self._next_slot = 0
-        self.stale_immediates = 0
+        self.stale_immediates = 0  # immediates of no transfer in flight (given up, or spoofed)
+        self.excess_immediates = 0  # beyond a transfer's planned count (dropped)
         self.late_answers = 0
+        self.quarantined_slots = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.inbound)
@@ -216,7 +227,8 @@ class DecodeMessenger:
             )
             cmds: list[Command] = [Failed(req.id, req.fail_reason)]
             if self._routed(req, first=req.attempts == 0):  # stop the prefill already started
-                cmds.append(Send(prefill_node, CancelTransfer(req.id, req.fail_reason, False)))
+                cancel = CancelTransfer(req.id, req.fail_reason, False, self.node)
+                cmds.append(Send(prefill_node, cancel))
             return cmds
         req.attempts += 1
         req.status = Status.QUEUED
@@ -248,6 +260,7 @@ class DecodeMessenger:
             0,
             () if routed else req.prompt,  # a routed prefill node has the prompt already
             routed,
+            req.attempts,
         )
         return [Send(prefill_node, msg)]
 
@@ -269,11 +282,9 @@ class DecodeMessenger:
             self.stale_immediates += count
             return []
         got = inb.received.get(rank, 0) + count
-        if got > inb.expected.get(rank, 0):
-            raise ProtocolError(
-                f"request {inb.req.id}: rank {rank} received {got} immediates, "
-                f"expected {inb.expected.get(rank, 0)}"
-            )
+        if got > inb.expected.get(rank, 0):  # not this transfer's: counted, never a crash
+            self.excess_immediates += count
+            return []
         inb.received[rank] = got
         if inb.received != inb.expected:
             return []
@@ -281,10 +292,13 @@ class DecodeMessenger:
         inb.req.status = Status.READY
         return [Ready(inb.req.id)]
 
-    def _close(self, slot: int) -> _Inbound:
+    def _close(self, slot: int, reuse: bool = True) -> _Inbound:
         inb = self.inbound.pop(slot)
         del self._slot_of[inb.req.id]
-        self._free_slots.append(slot)
+        if reuse:
+            self._free_slots.append(slot)
+        else:
+            self.quarantined_slots += 1
         return inb
 
     def on_message(self, msg: Message) -> list[Command]:
@@ -294,13 +308,17 @@ class DecodeMessenger:
             return self._give_up(msg.req_id, msg.reason, retry=True)
         raise ProtocolError(f"decode node {self.node} cannot handle {type(msg).__name__}")
 
-    def _give_up(self, req_id: int, reason: str, retry: bool) -> list[Command]:
-        """Prefill will write no more for `req_id`: free its pages, then retry or fail it."""
+    def _give_up(
+        self, req_id: int, reason: str, retry: bool, quarantine: bool = False
+    ) -> list[Command]:
+        """Prefill will write no more for `req_id`: free its pages, then retry or fail it.
+        `quarantine`: the prefill never confirmed it stopped, so the request's slot is never
+        used again (a late write's immediate must not count for another request)."""
         slot = self._slot_of.get(req_id)
         if slot is None:  # an answer to a cancel that came too late: the request's last writes
             self.late_answers += 1  # landed first (it is ready), or it was given up already
             return []
-        req = self._close(slot).req
+        req = self._close(slot, reuse=not quarantine).req
         self.pool.free(req.id)
         cmds: list[Command]
         if retry and req.attempts < self.max_attempts:
@@ -315,19 +333,35 @@ class DecodeMessenger:
         """A prefill node is gone: it will write nothing more, so its requests' pages are free."""
         ids = [i.req.id for i in self.inbound.values() if i.prefill_node == prefill_node]
         cmds: list[Command] = []
-        for req_id in ids:
-            cmds += self._give_up(req_id, f"prefill node {prefill_node} died: {reason}", True)
+        for req_id in ids:  # a node thought dead may be alive and still writing: quarantine
+            why = f"prefill node {prefill_node} died: {reason}"
+            cmds += self._give_up(req_id, why, retry=True, quarantine=True)
         return cmds
 
     def check_timeouts(self, now_s: float) -> list[Command]:
-        """Ask prefill to stop transfers that outlived `timeout_s`; pages wait for its answer."""
+        """Ask prefill to stop transfers that outlived `timeout_s`; pages wait for its answer,
+        for `timeout_s` more: a transfer whose cancel is not answered by then is given up here
+        (its pages lease ends), as if the prefill node had died."""
         cmds: list[Command] = []
-        for inb in self.inbound.values():
+        for inb in list(self.inbound.values()):
             if not inb.cancelling and now_s >= inb.deadline_s:
                 inb.cancelling = True
-                reason = f"transfer timed out after {self.timeout_s:g} s"
-                cmds.append(Send(inb.prefill_node, CancelTransfer(inb.req.id, reason)))
+                inb.deadline_s += self.timeout_s  # the lease: how long the answer may take
+                reason = timeout_reason(self.timeout_s)
+                cmds.append(
+                    Send(inb.prefill_node, CancelTransfer(inb.req.id, reason, True, self.node))
+                )
+            elif inb.cancelling and now_s >= inb.deadline_s:
+                reason = (
+                    f"{timeout_reason(self.timeout_s)}; prefill node {inb.prefill_node} did not "
+                    f"answer the cancel within {self.timeout_s:g} s"
+                )
+                cmds += self._give_up(inb.req.id, reason, retry=True, quarantine=True)
         return cmds
+
+    def next_deadline_s(self) -> float:
+        """When `check_timeouts` next has something to do (inf: nothing inbound)."""
+        return min((i.deadline_s for i in self.inbound.values()), default=math.inf)
 
     def release(self, req_id: int, now_s: float = 0.0) -> list[Command]:
         """A request finished decoding (or was dropped): free its pages, admit waiting ones."""
@@ -411,6 +445,7 @@ class PrefillMessenger:
         # the router's submission, and requests cancelled or refused before their other half
         self._early: dict[int, PrefillRequest] = {}
         self._gone: OrderedDict[int, str] = OrderedDict()
+        self._superseded: dict[int, PrefillRequest] = {}  # retries waiting for the old to end
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.parked) + len(self.outbound)
@@ -435,8 +470,11 @@ class PrefillMessenger:
         if isinstance(msg, PrefillRequest):
             return self._on_request(msg)
         if isinstance(msg, CancelTransfer):
+            # the decoder cancels its latest attempt: a retry waiting for an older one to end
+            # (sent before this cancel, so delivered before it) is the one cancelled
+            self._superseded.pop(msg.req_id, None)
             if msg.req_id not in self.outbound:
-                return self._drop_waiting(msg.req_id, msg.reason, msg.reply)
+                return self._drop_waiting(msg.req_id, msg.reason, msg.reply, msg.decode_node)
             return self._abort(msg.req_id, msg.reason, msg.reply)
         raise ProtocolError(f"prefill node {self.node} cannot handle {type(msg).__name__}")
 
@@ -456,8 +494,12 @@ class PrefillMessenger:
                 self._early[msg.req_id] = msg
                 return []
             return self._accept(_Queued(msg.req_id, msg.prompt_tokens, msg.decode_node, msg))
-        if out.msg is not None:
-            raise ProtocolError(f"prefill node {self.node}: request {msg.req_id} handed off twice")
+        if out.msg is not None:  # a retry of a request still (or again) running here: the
+            # decoder gave this transfer up (it thought this node dead); end it, then run anew
+            if out.msg.attempt >= msg.attempt:
+                return []  # the same handoff again, or an older one
+            self._superseded[msg.req_id] = msg
+            return self._abort(msg.req_id, "superseded by the decoder's retry", notify=False)
         out.job.msg = msg
         return [] if out.abort_reason else self._catch_up(out)
 
@@ -509,9 +551,13 @@ class PrefillMessenger:
         if len(self._gone) > GONE_KEPT:
             self._gone.popitem(last=False)
 
-    def _drop_waiting(self, req_id: int, reason: str, reply: bool = True) -> list[Command]:
+    def _drop_waiting(
+        self, req_id: int, reason: str, reply: bool = True, sender: int = -1
+    ) -> list[Command]:
         """A cancel for a request not started here: drop it, and answer the decoder if it had
-        handed the request off (it waits for the answer to free its pages)."""
+        handed the request off (it waits for the answer to free its pages), also when this
+        node does not know the request (finished, or forgotten when the decoder was thought
+        dead): the decoder ignores an answer that comes after its request is ready."""
         queued = next((q for q in self.waiting if q.req_id == req_id), None)
         queued = self.parked.pop(req_id, queued)
         early = self._early.pop(req_id, None)
@@ -520,10 +566,10 @@ class PrefillMessenger:
             # knows its decoder too: the router named it)
             self.waiting = deque(q for q in self.waiting if q.req_id != req_id)
             node = queued.decode_node
-        else:  # finished and freed (the decoder sees its immediates), or not come yet
-            node = None if early is None else early.decode_node
+        else:  # finished and freed, forgotten, or not come yet
+            node = sender if early is None else early.decode_node
             self._bury(req_id, reason)  # a router's submission still to come is dropped
-        if node is None or not reply:
+        if node is None or node < 0 or not reply:
             return []
         return [Send(node, TransferAborted(req_id, reason))]
 
@@ -646,6 +692,10 @@ class PrefillMessenger:
                     cmds.append(
                         Send(out.job.decode_node, TransferAborted(req_id, out.abort_reason))
                     )
+                retry = self._superseded.pop(req_id, None)
+                if retry is not None:
+                    q = _Queued(retry.req_id, retry.prompt_tokens, retry.decode_node, retry)
+                    self.waiting.append(q)
         return cmds + self._admit()
 
     def _admit(self) -> list[Command]:

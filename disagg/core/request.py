@@ -17,6 +17,7 @@ class Status(StrEnum):
     DECODING = "decoding"
     FINISHED = "finished"
     FAILED = "failed"
+    UNFINISHED = "unfinished"  # the run stopped before the request ended (its reason says why)
 
 
 @dataclass(eq=False)

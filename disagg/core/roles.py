@@ -306,15 +306,14 @@ class DecodeRole(_Dispatch):
         self.dispatch(self.messenger.on_peer_dead(prefill_node, reason))
 
     def on_timer(self) -> None:
-        """Cancel the transfers past their deadline; arm the timer for the next deadline."""
+        """Cancel the transfers past their deadline, give up those whose cancel went
+        unanswered for as long again; arm the timer for the next deadline."""
         if self.timer_s == math.inf:
             return  # none armed
         due = max(self.port.now(), self.timer_s)  # a port may round the time it fires at
         self.timer_s = math.inf
         self.dispatch(self.messenger.check_timeouts(due))
-        deadlines = [i.deadline_s for i in self.messenger.inbound.values() if not i.cancelling]
-        if deadlines:
-            self._arm(min(deadlines))
+        self._arm(self.messenger.next_deadline_s())  # a new deadline, or a cancel's lease
 
     # -- passes
     def next_batch(self) -> Batch:
