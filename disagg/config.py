@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from disagg import faults
 from disagg.core.policies import LeastLoadedConfig, RouterConfig, SchedulerConfig, scheduler_for
-from disagg.core.workload import LengthDist, WorkloadConfig
+from disagg.core.workload import Arrival, LengthDist, WorkloadConfig
 from disagg.errors import ConfigError
+from disagg.faults import Fault
 from disagg.hardware import GPU, NIC, Node, get_gpu, get_nic
 from disagg.models import ModelSpec, get_model
 from disagg.settings import HwConfig, environment_overrides
@@ -104,6 +107,28 @@ class ClusterConfig(_Frozen):
         groups = {"colocated": self.colocated, "prefill": self.prefill, "decode": self.decode}
         for role, group in groups.items():  # used in this mode or not: each names its role
             scheduler_for(role, group.scheduler)
+        return self
+
+    @model_validator(mode="after")
+    def _no_unused_groups(self) -> ClusterConfig:
+        """A group the mode does not run, given explicitly with other than its default values,
+        would be ignored without a word: an error naming it. A group at its default is not: a
+        complete dump (a run's experiment.json, an experiment an override is applied to) lists
+        every group, the unused ones at their defaults."""
+        ignored = [
+            f"cluster.{name}"
+            for name in ("colocated", "prefill", "decode")
+            if name not in self.groups
+            and name in self.model_fields_set
+            and getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if ignored:
+            other = "disagg" if self.mode == "colocated" else "colocated"
+            names, used = " and ".join(ignored), " and ".join(f"cluster.{g}" for g in self.groups)
+            raise ValueError(
+                f"{names} set, but cluster.mode={self.mode!r} runs only {used}: remove {names} "
+                f"from the experiment (or the --set overrides), or use cluster.mode={other!r}"
+            )
         return self
 
     @property
@@ -194,6 +219,7 @@ class Experiment(_Frozen):
     cost: CostConfig = CostConfig()
     workload: WorkloadConfig = DEFAULT_WORKLOAD
     hw: HwConfig = HwConfig()  # how `disagg hw run` runs it (the simulator ignores it)
+    faults: tuple[Fault, ...] = ()  # injected in both backends (disagg.faults)
     base_dir: str = "."  # where relative paths (traces, profiles) resolve; set by the loader
 
     def updated(self, *overrides: str) -> Experiment:
@@ -215,6 +241,52 @@ class Experiment(_Frozen):
                     f"{self.hardware.gpus_per_node}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _faults(self) -> Experiment:
+        faults.check(self.faults, {role: g.nodes for role, g in self.cluster.groups.items()})
+        return self
+
+    @model_validator(mode="after")
+    def _context(self) -> Experiment:
+        """A synthetic workload's longest prompt and longest output fit the model's context
+        together (lengths without an upper bound, and traces: `check_context` checks each
+        request)."""
+        w = self.workload
+        if w.trace is not None or w.prompt_tokens is None or w.output_tokens is None:
+            return self
+        prompt, output = _bound("prompt", w.prompt_tokens), _bound("output", w.output_tokens)
+        if prompt is not None and output is not None:
+            try:
+                self.model.spec.check_context(prompt[1] + output[1], f"{prompt[0]} + {output[0]}")
+            except ConfigError as e:
+                raise ValueError(f"{e} (model.name={self.model.name!r})") from None
+        return self
+
+
+def _bound(kind: str, dist: LengthDist) -> tuple[str, int] | None:
+    """("workload.KIND_tokens.FIELD=N", N) for the field bounding what `dist` draws; None if
+    nothing does (a lognormal without `high`)."""
+    field = "value" if dist.dist == "fixed" else "high"
+    n = getattr(dist, field)
+    return None if n is None else (f"workload.{kind}_tokens.{field}={n}", n)
+
+
+def check_context(exp: Experiment, arrivals: Sequence[Arrival]) -> None:
+    """Raise ConfigError naming the first of `arrivals` (the requests of `exp`'s workload) whose
+    prompt + output exceed the model's context. Experiment validation bounds synthetic lengths
+    already; this catches a trace's requests and lengths drawn without an upper bound."""
+    limit = exp.model.spec.max_context
+    over = [a for a in arrivals if limit is not None and a.prompt_tokens + a.output_tokens > limit]
+    if not over:
+        return
+    a, w = over[0], exp.workload
+    source = f"workload.trace={w.trace!r}" if w.trace is not None else "workload"
+    exp.model.spec.check_context(
+        a.prompt_tokens + a.output_tokens,
+        f"{source}: request {a.request_id} ({len(over)} of {len(arrivals)} too long): "
+        f"{a.prompt_tokens:,} prompt + {a.output_tokens:,} output",
+    )
 
 
 def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -290,6 +362,16 @@ def _short(err: Any) -> bool:
     return not isinstance(err.get("input"), dict) and len(repr(err.get("input"))) < 80
 
 
+def _drop_unused_groups(record: dict[str, Any]) -> None:
+    """Drop the cluster groups a run's record (its experiment.json, which lists every group)
+    did not run: they say nothing, and explicit unused groups are an error."""
+    cluster = record.get("cluster")
+    if isinstance(cluster, dict):
+        used = {"colocated"} if cluster.get("mode") == "colocated" else {"prefill", "decode"}
+        for name in {"colocated", "prefill", "decode"} - used:
+            cluster.pop(name, None)
+
+
 def load_experiment(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> Experiment:
@@ -313,4 +395,6 @@ def load_experiment(
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON: {e}") from None
     data.setdefault("base_dir", str(p.parent.resolve()))
+    if p.suffix == ".json":
+        _drop_unused_groups(data)
     return build_experiment(data, overrides, str(p))

@@ -31,7 +31,8 @@ class ModelSpec:
     vector of `kv_lora_rank + qk_rope_dim` elements per token and layer, shared by all heads.
     MoE layers hold `experts` routed experts of width `moe_intermediate`, `experts_per_token` of
     them active, plus `shared_experts` always-active ones; the first `dense_layers` layers use a
-    dense MLP of width `intermediate`.
+    dense MLP of width `intermediate`. `max_context` is the most tokens (prompt + output) one
+    request may hold; None: unknown, not checked.
     """
 
     name: str
@@ -57,6 +58,7 @@ class ModelSpec:
     dense_layers: int = 0
     # multi-token prediction modules (DeepSeek-V3's MTP)
     mtp_layers: int = 0
+    max_context: int | None = None  # tokens of prompt + output per request
 
     # ---- structure -------------------------------------------------------------------
     @property
@@ -178,6 +180,15 @@ class ModelSpec:
             raise ConfigError(f"layers={layers} must be in 1..{self.layers} for {self.name}")
         return replace(self, layers=layers, dense_layers=min(self.dense_layers, layers))
 
+    def check_context(self, tokens: int, what: str) -> None:
+        """Raise ConfigError if `tokens` (a request's prompt + output, which `what` names)
+        exceed this model's context."""
+        if self.max_context is not None and tokens > self.max_context:
+            raise ConfigError(
+                f"{what} = {tokens:,} tokens exceed {self.name}'s context of "
+                f"{self.max_context:,} tokens"
+            )
+
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError if tensor parallelism `tp` cannot shard this model's heads."""
         if tp < 1:
@@ -201,6 +212,7 @@ LLAMA_31_8B = ModelSpec(
     head_dim=128,
     vocab=128256,
     intermediate=14336,
+    max_context=131072,  # max_position_embeddings, meta-llama/Llama-3.1-8B config.json
 )
 LLAMA_31_70B = ModelSpec(
     name="llama-3.1-70b",
@@ -211,6 +223,7 @@ LLAMA_31_70B = ModelSpec(
     head_dim=128,
     vocab=128256,
     intermediate=28672,
+    max_context=131072,  # max_position_embeddings, meta-llama/Llama-3.1-70B config.json
 )
 QWEN3_CODER_480B = ModelSpec(
     name="qwen3-coder-480b-a35b",
@@ -224,6 +237,8 @@ QWEN3_CODER_480B = ModelSpec(
     experts=160,
     experts_per_token=8,
     moe_intermediate=2560,
+    # max_position_embeddings, Qwen/Qwen3-Coder-480B-A35B-Instruct config.json (256k native)
+    max_context=262144,
 )
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3",
@@ -245,6 +260,8 @@ DEEPSEEK_V3 = ModelSpec(
     moe_intermediate=2048,
     dense_layers=3,
     mtp_layers=1,
+    # max_position_embeddings, deepseek-ai/DeepSeek-V3 (and -R1) config.json: 160k, YaRN from 4k
+    max_context=163840,
 )
 
 
@@ -261,7 +278,8 @@ def dense(spec: ModelSpec) -> ModelSpec:
     )
 
 
-# toy shapes of the same structures, for CPU runs of the real backend and for tests
+# toy shapes of the same structures, for CPU runs of the real backend and for tests; their
+# context is a made-up 32k: above the tests' prompts and the default workload's longest request
 TINY_GQA = replace(
     LLAMA_31_8B,
     name="tiny-gqa",
@@ -272,6 +290,7 @@ TINY_GQA = replace(
     head_dim=16,
     vocab=256,
     intermediate=128,
+    max_context=32768,
 )
 TINY_MLA = replace(
     dense(DEEPSEEK_V3),
@@ -287,6 +306,7 @@ TINY_MLA = replace(
     qk_nope_dim=16,
     qk_rope_dim=8,
     v_head_dim=16,
+    max_context=32768,
 )
 
 MODELS: dict[str, ModelSpec] = {

@@ -64,6 +64,11 @@ class HwConfig(_Frozen):
     # auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer or flashinfer:KERNEL
     attention: str = "auto"
     bind: str = "tcp://127.0.0.1:*"  # the driver's control socket (loopback by default)
+    # the control plane's authentication (docs/security.md): CURVE when a socket binds or
+    # connects beyond loopback ("auto"), always ("curve"), or never ("off")
+    auth: Literal["auto", "curve", "off"] = "auto"
+    # the file holding the shared secret CURVE's keys derive from (only its path is recorded)
+    secret_file: str | None = None
     start_timeout_s: float = Field(default=600.0, gt=0)  # model build, CUDA graphs, kernel JIT
     drain_timeout_s: float = Field(default=600.0, gt=0)  # after the last arrival
     silent_after_s: float = Field(default=30.0, gt=0)  # a server alive but silent is stuck
@@ -86,6 +91,7 @@ ENVIRONMENT: dict[str, str] = {
     "DISAGG_VERBS_DEVICE": "hw.verbs.device",
     "DISAGG_VERBS_PORT": "hw.verbs.port",
     "DISAGG_VERBS_GID_INDEX": "hw.verbs.gid_index",
+    "DISAGG_SECRET_FILE": "hw.secret_file",
 }
 
 

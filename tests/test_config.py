@@ -1,5 +1,6 @@
 """Experiment files: defaults, overrides, and clear errors for bad input."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,13 @@ def test_policies_are_chosen_by_name_in_the_file(tmp_path: Path) -> None:
     f.write_text(
         '[cluster]\nmode = "colocated"\n'
         '[cluster.colocated.scheduler]\nname = "chunked"\n'
-        '[cluster.decode]\nscheduler = "fcfs"\n'  # a name alone is a table with defaults
         '[cluster.router]\nname = "round_robin"\n'
     )
     c = load_experiment(f).cluster
-    assert (c.colocated.scheduler, c.decode.scheduler) == (ChunkedConfig(), FcfsConfig())
-    assert c.router == RoundRobinConfig() and c.prefill.scheduler is None
+    assert c.colocated.scheduler == ChunkedConfig() and c.router == RoundRobinConfig()
+    f.write_text('[cluster.decode]\nscheduler = "fcfs"\n')  # a name alone: a table of defaults
+    c = load_experiment(f).cluster
+    assert c.decode.scheduler == FcfsConfig() and c.prefill.scheduler is None
 
 
 def test_router_names_as_plain_strings_still_load(tmp_path: Path) -> None:
@@ -149,3 +151,101 @@ def test_trace_workload_and_malformed_trace(tmp_path: Path) -> None:
     exp = load_experiment(f)
     with pytest.raises(TraceError, match=r"t.jsonl:2: input_length"):
         generate(exp.workload, exp.seed, Path(exp.base_dir))
+
+
+@pytest.mark.parametrize(
+    ("text", "named", "mode"),
+    [
+        ('mode = "colocated"\nprefill = { nodes = 2 }\n', "cluster.prefill", "'colocated'"),
+        (
+            'mode = "colocated"\nprefill = { tp = 4 }\ndecode = { nodes = 5 }\n',
+            "cluster.prefill and cluster.decode",
+            "'colocated'",
+        ),
+        ('mode = "disagg"\ncolocated = { nodes = 2 }\n', "cluster.colocated", "'disagg'"),
+        ("colocated = { max_batch = 16 }\n", "cluster.colocated", "'disagg'"),  # mode by default
+    ],
+)
+def test_a_group_the_mode_does_not_run_is_an_error_naming_it(
+    tmp_path: Path, text: str, named: str, mode: str
+) -> None:
+    f = tmp_path / "e.toml"
+    f.write_text(f"[cluster]\n{text}")
+    with pytest.raises(ConfigError) as err:
+        load_experiment(f)
+    assert f"cluster: {named} set, but cluster.mode={mode} runs only" in str(err.value)
+    assert f"remove {named} from the experiment" in str(err.value)
+
+
+def test_unused_groups_at_their_defaults_and_complete_records_still_load(tmp_path: Path) -> None:
+    """Defaults validate, a dump lists every group (the unused ones at their defaults) and
+    reads back, and a run's record whose unused groups are not the defaults (written before
+    they were an error) loads as the run ran."""
+    assert Experiment.model_validate(Experiment().model_dump()) == Experiment()
+    for path in sorted(EXPERIMENTS.glob("*.toml")):
+        exp = load_experiment(path)
+        assert Experiment.model_validate(exp.model_dump(mode="json")) == exp
+    record = Experiment().model_dump(mode="json")
+    record["cluster"]["mode"] = "colocated"
+    record["cluster"]["prefill"]["nodes"] = 7  # not the default, not run
+    (tmp_path / "experiment.json").write_text(json.dumps(record))
+    exp = load_experiment(tmp_path)
+    assert exp.cluster.mode == "colocated" and exp.cluster.prefill == Experiment().cluster.prefill
+    assert exp.cluster.colocated == Experiment().cluster.colocated
+
+
+def test_overrides_that_leave_a_group_unused_are_errors_naming_what_to_remove() -> None:
+    # the default experiment's groups are all defaults: switching its mode is fine
+    assert load_experiment(None, ["cluster.mode=colocated"]).cluster.total_gpus == 32
+    with pytest.raises(ConfigError) as err:
+        load_experiment(EXPERIMENTS / "r1-colocated.toml", ["cluster.prefill.nodes=2"])
+    assert "cluster.prefill set, but cluster.mode='colocated' runs only cluster.colocated" in str(
+        err.value
+    )
+    # r1-disagg-1p3d's prefill group is not the default one (its decode group is)
+    with pytest.raises(ConfigError) as err:
+        load_experiment(EXPERIMENTS / "r1-disagg-1p3d.toml", ["cluster.mode=colocated"])
+    assert "remove cluster.prefill from the experiment (or the --set overrides)" in str(err.value)
+
+
+def test_a_synthetic_workload_longer_than_the_context_names_the_fields() -> None:
+    llama = ["model.name=llama-3.1-8b", "workload.prompt_tokens.high=131000"]
+    with pytest.raises(ConfigError) as err:
+        load_experiment(None, llama)
+    assert (
+        "workload.prompt_tokens.high=131000 + workload.output_tokens.high=1000 = 132,000 tokens "
+        "exceed llama-3.1-8b's context of 131,072 tokens (model.name='llama-3.1-8b')"
+    ) in str(err.value)
+    fixed = ["workload.output_tokens={dist = 'fixed', value = 72}"]
+    assert load_experiment(None, [*llama, *fixed]).workload.output_tokens is not None  # 131,072
+    with pytest.raises(ConfigError, match=r"workload.output_tokens.value=73 = 131,073 tokens"):
+        load_experiment(None, [*llama, "workload.output_tokens={dist = 'fixed', value = 73}"])
+    # R1's context is longer: the same lengths fit
+    assert load_experiment(None, ["workload.prompt_tokens.high=131000"]).model.name == "deepseek-r1"
+
+
+def test_check_context_names_the_request_of_a_trace_or_of_unbounded_draws(tmp_path: Path) -> None:
+    from disagg.config import check_context
+    from disagg.core.workload import generate
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 5}\n'
+        '{"timestamp": 250, "input_length": 1000000, "output_length": 5}\n'
+    )
+    f = tmp_path / "e.toml"
+    f.write_text('[model]\nname = "llama-3.1-8b"\n[workload]\ntrace = "t.jsonl"\n')
+    exp = load_experiment(f)
+    with pytest.raises(ConfigError) as err:
+        check_context(exp, generate(exp.workload, exp.seed, Path(exp.base_dir)))
+    assert str(err.value) == (
+        "workload.trace='t.jsonl': request 1 (1 of 2 too long): 1,000,000 prompt + 5 output = "
+        "1,000,005 tokens exceed llama-3.1-8b's context of 131,072 tokens"
+    )
+    unbounded = load_experiment(
+        EXPERIMENTS / "tiny-disagg.toml",
+        ["workload.prompt_tokens={dist = 'lognormal', mean = 30000, sigma = 0.5}"],
+    )  # no high: validation cannot bound it (tiny-gqa's context is 32,768), the draws are checked
+    with pytest.raises(ConfigError, match=r"^workload: request \d+ \(\d+ of \d+ too long\)"):
+        check_context(unbounded, generate(unbounded.workload, unbounded.seed))
+    check_context(Experiment(), generate(Experiment().workload, 0))  # fits: no error

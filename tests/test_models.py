@@ -88,3 +88,26 @@ def test_with_layers_cuts_depth() -> None:
     assert small.layers == 2 and small.dense_layers == 2 and small.moe_layers == 0
     with pytest.raises(ConfigError):
         LLAMA_31_8B.with_layers(33)
+
+
+def test_every_model_has_its_published_context_and_checks_requests_against_it() -> None:
+    """max_position_embeddings of each model's config.json (the tiny models: a made-up 32k)."""
+    from disagg.models import MODELS
+
+    contexts = {name: spec.max_context for name, spec in MODELS.items()}
+    assert contexts == {
+        "llama-3.1-8b": 131072,
+        "llama-3.1-70b": 131072,
+        "qwen3-coder-480b-a35b": 262144,
+        "deepseek-v3": 163840,
+        "deepseek-r1": 163840,
+        "tiny-gqa": 32768,
+        "tiny-mla": 32768,
+    }
+    LLAMA_31_8B.check_context(131072, "request 0")  # exactly the context: fits
+    with pytest.raises(ConfigError) as err:
+        LLAMA_31_8B.check_context(131073, "request 0")
+    assert str(err.value) == (
+        "request 0 = 131,073 tokens exceed llama-3.1-8b's context of 131,072 tokens"
+    )
+    assert LLAMA_31_8B.with_layers(2).max_context == 131072  # a cut model keeps its context

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,16 @@ from disagg.core.router import Router
 from disagg.core.scheduler import Batch, steps_to_finish
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
+from disagg.faults import (
+    DelayControl,
+    DropConnection,
+    Fault,
+    Kill,
+    NicDegrade,
+    NicDown,
+    Stop,
+    attribute,
+)
 from disagg.sim.costmodel import StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -48,10 +59,24 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     page_bytes = kv.page_size * spec.kv_bytes_per_token(exp.model.kv_dtype) / kv_shards
     pages = int(free // page_bytes) * group.dp
     if pages < 1:
+        hbm = hw.gpu_spec.hbm_bytes
+        need = weights + kv.activation_reserve_gb * 1e9 + page_bytes  # one page of KV
+        if need <= hbm:
+            fix = f"kv.memory_fraction >= {math.ceil(need / hbm * 1000) / 1000:.3f} would fit"
+        elif weights + page_bytes <= hbm:
+            most_gb = math.floor((hbm - weights - page_bytes) / 1e8) / 10
+            fix = (
+                f"kv.memory_fraction=1 with kv.activation_reserve_gb <= {most_gb} would fit, "
+                "or more GPUs per node (a larger tp)"
+            )
+        else:
+            fix = "the weights alone exceed a GPU: more GPUs per node (a larger tp) would fit"
         raise ConfigError(
-            f"cluster.{role}: {spec.name} does not fit: {weights / 1e9:.0f} GB of weights per "
-            f"GPU (tp={group.tp} x dp={group.dp}) leave {free / 1e9:.1f} GB of "
-            f"{hw.gpu_spec.hbm_bytes / 1e9:.0f} GB for the KV cache on {hw.gpu}"
+            f"cluster.{role}: {spec.name} does not fit on {hw.gpu}: kv.memory_fraction="
+            f"{kv.memory_fraction} of {hbm / 1e9:.0f} GB is {gpu_bytes / 1e9:.1f} GB per GPU, "
+            f"less than {weights / 1e9:.1f} GB of weights (tp={group.tp} x dp={group.dp}) + "
+            f"kv.activation_reserve_gb={kv.activation_reserve_gb} + one KV page "
+            f"({page_bytes / 1e6:.2f} MB); {fix}"
         )
     if kv.pages is not None:  # as given (a hw run records the pool it ran with)
         if kv.pages > pages:
@@ -77,13 +102,45 @@ class Node:
         self.cost = make_cost_model(sim.exp, group)
         self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
         self._wake = self.env.event()
+        self.dead = False  # killed (a fault): handles nothing more
+        self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
+        self._held: list[Callable[[], None]] = []
+
+    # -- faults
+    def deliver(self, event: Callable[[], None]) -> None:
+        """Handle `event` (a message, immediates, a timer, a post's end) now, or when a stopped
+        node resumes; a dead node handles nothing."""
+        if self.dead:
+            return
+        if self.env.now < self.stopped_until:
+            self._held.append(event)
+        else:
+            event()
+
+    def stop(self, for_s: float) -> None:
+        """Freeze for `for_s`: the pass in flight ends, and events are handled, at the resume."""
+        self.stopped_until = max(self.stopped_until, self.env.now + for_s)
+        self.env.timeout(for_s).callbacks.append(lambda _: self._resume())
+
+    def _resume(self) -> None:
+        if self.dead or self.env.now < self.stopped_until:
+            return  # dead, or stopped again for longer
+        held, self._held = self._held, []
+        for event in held:
+            event()
+        self.wake()
+
+    def frozen(self) -> Proc:
+        """Wait while the node is stopped."""
+        while self.env.now < self.stopped_until:
+            yield self.env.timeout(self.stopped_until - self.env.now)
 
     # -- the port
     def now(self) -> float:
         return self.env.now
 
     def send(self, role: str, node: int, msg: Message) -> None:
-        self.sim.send(role, node, msg)
+        self.sim.send(self, role, node, msg)
 
     def wake(self) -> None:
         if not self._wake.triggered:
@@ -91,6 +148,9 @@ class Node:
 
     def finished(self, req: Request) -> None:
         self.sim.finished += 1
+        if req.status is Status.FAILED:
+            self.sim.failed_at_s.append(self.env.now)
+            self.sim.lost[req.id] = req.fail_reason
 
     # -- the loop
     def sleep(self) -> simpy.Event:
@@ -99,7 +159,10 @@ class Node:
 
     def loop(self) -> Proc:
         """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
-        while True:
+        while not self.dead:
+            if self.env.now < self.stopped_until:
+                yield from self.frozen()
+                continue
             batch = self.role.next_batch()
             if batch.empty:
                 yield self.sleep()
@@ -149,6 +212,14 @@ class Node:
         return steps, t0 + elapsed(1)
 
 
+def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
+    for rank, count in imms.items():
+        decode.role.on_immediates(slot, count, rank)
+
+
+_ENDED = (Status.FINISHED, Status.FAILED)
+
+
 def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
     """Largest k <= n with elapsed(k) <= e (elapsed is increasing)."""
     lo, hi = 0, n
@@ -190,7 +261,11 @@ class PrefillNode(Node):
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
         yield self.env.timeout(self.pass_step[1])
+        if self.env.now < self.stopped_until:
+            yield from self.frozen()
         self.pass_step = None
+        if self.dead:
+            return
         self.role.pass_done(batch)
         self.record("prefill", t0, 1, batch)
 
@@ -208,7 +283,7 @@ class DecodeNode(Node):
 
     def set_timer(self, at_s: float) -> None:
         timer = self.env.timeout(max(0.0, at_s - self.env.now))
-        timer.callbacks.append(lambda _: self.role.on_timer())
+        timer.callbacks.append(lambda _: self.deliver(self.role.on_timer))
 
     def route(self, req: Request) -> int:
         return self.sim.route(req)
@@ -219,6 +294,10 @@ class DecodeNode(Node):
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env.now
         steps, first_s = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
+        if self.env.now < self.stopped_until:
+            yield from self.frozen()
+        if self.dead:
+            return
         self.role.pass_done(batch, steps, first_s)
         self.record("decode", t0, steps, batch)
 
@@ -242,14 +321,23 @@ class ColocatedNode(Node):
         else:
             steps = 1
             yield self.env.timeout(self.cost.step_time(self.shape(batch)))
+        if self.env.now < self.stopped_until:
+            yield from self.frozen()
+        if self.dead:
+            return
         self.role.pass_done(batch, steps)
         self.record("decode" if batch.decode_only else "mixed", t0, steps, batch)
 
 
-def _pick(router: Router, nodes: Sequence[Node]) -> int:
+def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
     """The index of the node `router` picks, given every node's current load (the requests
-    its role holds)."""
-    return router.pick({i: len(n.role) for i, n in enumerate(nodes)})
+    its role holds), passing over dead nodes; None if all are dead."""
+    loads = {i: math.inf if n.dead else len(n.role) for i, n in enumerate(nodes)}
+    for _ in nodes:
+        i = router.pick(loads)
+        if not nodes[i].dead:
+            return i
+    return None
 
 
 class Sim:
@@ -266,6 +354,12 @@ class Sim:
             raise ConfigError("the workload produced no requests (duration too short?)")
         self.requests: dict[int, Request] = {}
         self.finished = 0
+        self.failed_at_s: list[float] = []  # when each failed request failed
+        # failed requests: id -> reason. A prefill node runs the same request object (for its
+        # stamps), and may still be working on a request its decoder gave up on
+        self.lost: dict[int, str] = {}
+        self.drops: dict[tuple[int, int], int] = {}  # (prefill, decode) -> connections reset
+        self.delays: list[tuple[str, float, float, float]] = []  # node, from, until, delay
         self.transfers = TransferModel(exp, self.network, self.rng)
         c = exp.cluster
         self.colocated = (
@@ -288,6 +382,10 @@ class Sim:
         nodes = self.colocated or self.decodes
         self.route_main = make_router(c.router, range(len(nodes)))
         self.route_prefill = make_router(c.router, range(max(len(self.prefills), 1)))
+        self.by_name = {n.name: n for n in self.nodes}
+        for fault in exp.faults:
+            self._check_fault(fault)
+            self.env.process(self._inject(fault))
         self.env.process(self._arrive())
 
     def _arrive(self) -> Proc:
@@ -296,10 +394,15 @@ class Sim:
                 yield self.env.timeout(a.arrival_s - self.env.now)
             req = Request(a.request_id, a.arrival_s, a.prompt_tokens, a.output_tokens)
             self.requests[req.id] = req
-            if self.colocated:
-                self.colocated[_pick(self.route_main, self.colocated)].role.submit(req)
+            node = _pick(self.route_main, self.colocated or self.decodes)
+            if node is None:
+                req.fail(f"no {'colocated' if self.colocated else 'decode'} node is alive")
+                self.finished += 1
+                self.failed_at_s.append(self.env.now)
+            elif self.colocated:
+                self.colocated[node].deliver(partial(self.colocated[node].role.submit, req))
             else:
-                self._submit(self.decodes[_pick(self.route_main, self.decodes)], req)
+                self.decodes[node].deliver(partial(self._submit, self.decodes[node], req))
 
     def _submit(self, decode: DecodeNode, req: Request) -> None:
         prefill = self.route(req)
@@ -311,25 +414,108 @@ class Sim:
         """The prefill node of `req` (a first attempt or a retry), and its transfer plan."""
         prefill = _pick(self.route_prefill, self.prefills)
         self.transfers.choose_plan(req)
-        return prefill
+        return 0 if prefill is None else prefill  # all dead: the handoff times out
 
     # ---- the simulated control plane and network -------------------------------------------
-    def send(self, role: str, node: int, msg: Message) -> None:
-        """Deliver `msg` to node `node` of `role` after the control-plane latency."""
+    def send(self, sender: Node, role: str, node: int, msg: Message) -> None:
+        """Deliver `msg` to node `node` of `role` after the control-plane latency (and a
+        delay_control fault's delay, on either end)."""
         target = self.prefills[node] if role == "prefill" else self.decodes[node]
-        deliver = lambda _: target.role.on_message(msg)  # noqa: E731
-        self.env.timeout(self.exp.transfer.control_latency_s).callbacks.append(deliver)
+        latency = self.exp.transfer.control_latency_s
+        if self.delays:
+            now = self.env.now
+            ends = (sender.name, target.name)
+            latency += sum(d for n, t0, t1, d in self.delays if n in ends and t0 <= now < t1)
+        deliver = lambda _: target.deliver(lambda: target.role.on_message(msg))  # noqa: E731
+        self.env.timeout(latency).callbacks.append(deliver)
 
     def post(
         self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
     ) -> Proc:
         """Move a post's bytes; its immediates land on the decoder, then the prefill hears."""
         req = self.requests[cmd.req_id]
+        pair = (node.idx, cmd.decode_node)
+        resets = self.drops.get(pair, 0)
         yield from self.transfers.post(node.idx, req, cmd, step, self.rec)
         decode = self.decodes[cmd.decode_node]
-        for rank, count in self.transfers.immediates(req, cmd).items():
-            decode.role.on_immediates(cmd.slot, count, rank)
-        node.role.on_posted(cmd.req_id)
+        if node.dead:
+            return
+        if decode.dead or self.drops.get(pair, 0) != resets:
+            why = "it is dead" if decode.dead else "the connection was reset"
+            error = f"{node.name} -> {decode.name}: {why}"
+            node.deliver(lambda: node.role.on_posted(cmd.req_id, False, error))
+            return
+        imms = self.transfers.immediates(req, cmd)
+        if self.env.now < decode.stopped_until:  # the writes land; the count waits
+            decode.deliver(lambda: _land(decode, cmd.slot, imms))
+        else:
+            _land(decode, cmd.slot, imms)
+        node.deliver(lambda: node.role.on_posted(cmd.req_id))
+
+    # ---- faults ------------------------------------------------------------------------------
+    def _check_fault(self, fault: Fault) -> None:
+        if isinstance(fault, NicDown | NicDegrade) and fault.nic >= self.transfers.node.nics:
+            raise ConfigError(
+                f"faults: nic={fault.nic} of {fault.node}, whose nodes have "
+                f"{self.transfers.node.nics} NICs (0 to {self.transfers.node.nics - 1})"
+            )
+
+    def _inject(self, fault: Fault) -> Proc:
+        """Make `fault` happen at its time (and end after its duration)."""
+        yield self.env.timeout(fault.at_s)
+        node = self.by_name[fault.node]
+        if isinstance(fault, Kill):
+            self._kill(node, f"{node.name} died ({fault.label()})")
+        elif isinstance(fault, Stop):
+            node.stop(fault.for_s)
+            if fault.for_s > self.exp.hw.dead_after_s:  # its peers hear nothing: it is dead
+                yield self.env.timeout(self.exp.hw.dead_after_s)
+                self._declare_dead(node, f"no heartbeat ({fault.label()})")
+        elif isinstance(fault, NicDown | NicDegrade):
+            key = ("prefill", node.idx, fault.nic)
+            rate = 0.0
+            if isinstance(fault, NicDegrade):
+                rate = min(1.0, fault.gbps * 1e9 / 8 / self.transfers.node.nic.bandwidth_bps)
+            self.network.set_rate(key, rate)
+            yield self.env.timeout(fault.for_s)
+            self.network.set_rate(key, 1.0)
+        elif isinstance(fault, DropConnection):
+            pair = (node.idx, self.by_name[fault.peer].idx)
+            self.drops[pair] = self.drops.get(pair, 0) + 1
+        elif isinstance(fault, DelayControl):
+            now = self.env.now
+            self.delays.append((node.name, now, now + fault.for_s, fault.delay_s))
+
+    def _kill(self, node: Node, reason: str) -> None:
+        """`node` dies: the requests it decodes fail now; its peers learn of it when its
+        heartbeats are missed (`hw.dead_after_s`)."""
+        node.dead = True
+        if not isinstance(node, PrefillNode):  # a prefill node's requests are its decoders'
+            for req in self.requests.values():
+                if req.decode_node == node.idx and req.status not in _ENDED:
+                    req.fail(reason)
+                    self.lost[req.id] = reason
+                    self.finished += 1
+                    self.failed_at_s.append(self.env.now)
+        self.env.timeout(self.exp.hw.dead_after_s).callbacks.append(
+            lambda _: self._declare_dead(node, reason)
+        )
+
+    def _declare_dead(self, node: Node, reason: str) -> None:
+        """`node`'s peers think it dead (it may be only stopped)."""
+        peers: list[DecodeNode] | list[PrefillNode] = []
+        if isinstance(node, PrefillNode):
+            peers = self.decodes
+        elif isinstance(node, DecodeNode):
+            peers = self.prefills
+        for peer in peers:
+            peer.deliver(partial(peer.role.on_peer_dead, node.idx, reason))
+
+    def fault_summary(self) -> dict[str, Any]:
+        """The faults injected, each with the requests that failed after it (`faults.attribute`)."""
+        if not self.exp.faults:
+            return {}
+        return {"faults": attribute(self.exp.faults, self.failed_at_s)}
 
     # ---- running ---------------------------------------------------------------------------
     def run(
@@ -354,8 +540,13 @@ class Sim:
         }
 
     def check_end(self) -> None:
-        """Every request finished or failed with a reason; every page back in its pool."""
+        """Every request finished or failed with a reason; every page of every living node
+        back in its pool."""
+        for req_id, reason in self.lost.items():  # a prefill node may have touched it since
+            self.requests[req_id].fail(reason)
         for node in self.nodes:
+            if node.dead:
+                continue
             node.pool.check()
             if node.pool.used_pages:
                 raise ConfigError(f"{node.name}: {node.pool.used_pages} KV pages leaked")

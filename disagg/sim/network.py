@@ -41,6 +41,7 @@ class _Nic:
     spec: NIC
     parts: list[_Part] = field(default_factory=list)
     busy_s: float = 0.0  # time with at least one active part
+    rate: float = 1.0  # fraction of the NIC's bandwidth it moves (a fault: down 0, degraded)
 
 
 def _succeed(event: simpy.Event) -> None:
@@ -64,6 +65,12 @@ class Network:
         spec = self.nics[key].spec
         return nbytes / spec.bandwidth_bps + ops * spec.op_cost_s
 
+    def set_rate(self, key: Hashable, rate: float) -> None:
+        """From now on the NIC moves `rate` of its bandwidth (0: down, 1: healthy)."""
+        self._advance()
+        self.nics[key].rate = rate
+        self._reschedule()
+
     def transfer(self, work: Mapping[Any, float], not_before_s: float = 0.0) -> simpy.Event:
         """Start a flow now with `work[nic]` seconds of NIC time per NIC; returns its event."""
         self._advance()
@@ -86,15 +93,15 @@ class Network:
         for nic in self.nics.values():
             if nic.parts:
                 nic.busy_s += dt
-                share = dt / len(nic.parts)
+                share = dt * nic.rate / len(nic.parts)
                 for part in nic.parts:
                     part.work_s -= share
 
     def _reschedule(self) -> None:
         nxt = math.inf
         for nic in self.nics.values():
-            if nic.parts:
-                nxt = min(nxt, min(p.work_s for p in nic.parts) * len(nic.parts))
+            if nic.parts and nic.rate > 0:
+                nxt = min(nxt, min(p.work_s for p in nic.parts) * len(nic.parts) / nic.rate)
         if nxt == math.inf:
             return
         self._generation += 1
