@@ -5,6 +5,11 @@ tensors (the planner that it follows: tests/test_copyplan.py)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
+import inspect
+import json
+import os
+import pickle
 import random
 import time
 from typing import Any
@@ -15,6 +20,7 @@ import pytest
 pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from disagg.errors import TransportError
 from disagg.hw.transport import copyplan, make_transport
@@ -195,6 +201,102 @@ def test_cuda_registration_carries_an_ipc_handle() -> None:
     wire.close()
     with pytest.raises(TransportError, match="closed"):
         wire.register("x", torch.zeros(4, device="cuda"))
+
+
+_HANDLE = cuda_wire.IpcHandle(
+    device=1,
+    handle=b"\x01\x00" + bytes(range(64)),
+    storage_nbytes=2 << 20,
+    storage_offset=4096,
+    ref_counter=b"/torch_4242_123456789_7",
+    ref_counter_offset=3,
+    event=bytes(range(64, 128)),
+    event_sync=True,
+    tensor_offset=512,
+    numel=30,
+)
+
+
+def test_an_ipc_handle_crosses_as_json_values_and_comes_back_exact() -> None:
+    sent = json.loads(json.dumps(_HANDLE.to_json()))
+    assert sent["handle"] == base64.b64encode(_HANDLE.handle or b"").decode()
+    assert sent["device"] == 1 and sent["event_sync"] is True
+    assert cuda_wire.IpcHandle.from_json(sent, 30) == _HANDLE
+    empty = dataclasses.replace(_HANDLE, handle=None, ref_counter=None, event=None)
+    empty = dataclasses.replace(empty, event_sync=None, storage_nbytes=0, tensor_offset=0, numel=0)
+    assert cuda_wire.IpcHandle.from_json(json.loads(json.dumps(empty.to_json())), 0) == empty
+    # torch's rebuild gets plain values only, in the order of its parameters
+    args = inspect.signature(rebuild_cuda_tensor).bind(*_HANDLE.rebuild_args()).arguments
+    assert args["storage_handle"] == _HANDLE.handle and args["tensor_size"] == (30,)
+    assert args["storage_device"] == 1 and args["storage_offset_bytes"] == 4096
+    assert (args["tensor_offset"], args["tensor_stride"], args["dtype"]) == (512, (1,), torch.uint8)
+    assert (args["ref_counter_handle"], args["event_handle"]) == (
+        _HANDLE.ref_counter,
+        _HANDLE.event,
+    )
+
+
+class _Exploit:
+    """Unpickling this runs a shell command that creates a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_pickle_payload_in_a_descriptor_is_refused_and_never_run(tmp_path: Any) -> None:
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps(_Exploit(str(marker)))).decode()
+    good = _HANDLE.to_json()
+    for ipc in (
+        payload,  # the old format: the whole handle pickled
+        {**good, "ref_counter": payload},
+        {**good, "event": payload},
+        {**good, "device": payload},
+        {**good, "event_sync": payload},
+    ):
+        with pytest.raises(TransportError, match="IPC handle"):
+            cuda_wire.IpcHandle.from_json(ipc, 30)
+    # an allocation handle is opaque bytes for the driver: carried, never unpickled
+    assert cuda_wire.IpcHandle.from_json({**good, "handle": payload}, 30).handle is not None
+    assert not marker.exists()
+    assert not hasattr(cuda_wire, "pickle")
+
+
+BAD_FIELDS = {
+    "a bool device": ({"device": True}, "field device"),
+    "a negative device": ({"device": -1}, "field device"),
+    "a str size": ({"storage_nbytes": "2097152"}, "field storage_nbytes"),
+    "a huge offset": ({"storage_offset": 2**70}, "field storage_offset"),
+    "a float offset": ({"tensor_offset": 1.5}, "field tensor_offset"),
+    "an int handle": ({"handle": 5}, "field handle must be base64"),
+    "not base64": ({"handle": "not base64!"}, "field handle is not base64"),
+    "a short event": ({"event": base64.b64encode(bytes(63)).decode()}, "field event is 63"),
+    "a str event_sync": ({"event_sync": "yes"}, "field event_sync"),
+    "a path for a counter": (
+        {"ref_counter": base64.b64encode(b"/../etc/passwd").decode()},
+        "not a shared-memory name",
+    ),
+    "no handle": ({"handle": None}, "lacks its handle"),
+    "another size": ({"numel": 31}, "numel 31 != 30"),
+    "past the storage": ({"tensor_offset": (2 << 20) - 29}, "pass the storage"),
+    "an extra field": ({"cmd": "x"}, "has the fields"),
+}
+
+
+@pytest.mark.parametrize("change,match", BAD_FIELDS.values(), ids=BAD_FIELDS.keys())
+def test_an_ipc_handle_with_a_bad_field_is_refused_naming_it(
+    change: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(TransportError, match=match):
+        cuda_wire.IpcHandle.from_json({**_HANDLE.to_json(), **change}, 30)
+    field = next(iter(change))
+    if field in _HANDLE.to_json():  # the same field left out
+        missing = {k: v for k, v in _HANDLE.to_json().items() if k != field}
+        with pytest.raises(TransportError, match="has the fields"):
+            cuda_wire.IpcHandle.from_json(missing, 30)
 
 
 def test_tensor_at_wraps_memory_it_does_not_own() -> None:

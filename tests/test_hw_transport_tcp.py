@@ -1,9 +1,11 @@
 """The tcp wire between two real processes: writes land, immediates count and keep order,
-a dead peer fails by name, close is idempotent."""
+a dead peer fails by name, a broken connection reconnects, close is idempotent."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import pytest
 
 from disagg.errors import ConfigError, TransportError
 from disagg.hw.transport import make_transport
+from disagg.hw.transport._wire import FRAME, HAS_IMM, MAX_FRAME_BYTES, RECONNECT_ATTEMPTS, WRITE
 from disagg.hw.transport.base import Completion, Descriptor, Transport, Unit, Write
 from disagg.hw.transport.peer import SLOT, ReceiverProcess, slot_bytes, wait_completions
 from disagg.hw.transport.tcp import TcpTransport
@@ -95,8 +98,125 @@ def test_a_dead_peer_fails_with_its_name() -> None:
         failed = [c for c in wait_completions(wire, 1, timeout_s=0.5) if not c.ok]
     assert failed and "decode0" in failed[0].error
     wire.post("decode0", [Unit([], imm=2)], wr_id=99)  # later posts fail too, never hang
-    assert [c.ok for c in wait_completions(wire, 1) if c.wr_id == 99] == [False]
+    [late] = [c for c in wait_completions(wire, 1) if c.wr_id == 99]
+    assert not late.ok and f"{RECONNECT_ATTEMPTS} reconnect attempts" in late.error
     wire.close()
+
+
+class Relay:
+    """A TCP relay between a sender and a receiver that a test can hold and cut. While `held`
+    is set, what senders send is swallowed (counted in `swallowed`); `cut` ends every relayed
+    connection, both ways; `close` also stops accepting new ones."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.held = threading.Event()
+        self.swallowed = 0
+        self.lock = threading.Lock()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            with self.lock:
+                self.socks += [down, up]
+            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_sender: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if from_sender and self.held.is_set():
+                    with self.lock:
+                        self.swallowed += len(data)
+                else:
+                    dst.sendall(data)
+
+    def cut(self) -> None:
+        with self.lock:
+            socks, self.socks = self.socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.cut()
+
+
+def test_a_broken_connection_fails_its_batch_by_name_then_reconnects() -> None:
+    """A batch in flight when the connection breaks fails naming the peer; the next post
+    reconnects and lands; once the receiver is unreachable, posts fail after the reconnect
+    attempts, naming the peer and how many attempts were made."""
+    recv, send = TcpTransport(endpoint="decode0"), TcpTransport(endpoint="prefill0")
+    dst = bytearray(64)
+    desc = recv.register("dst", dst)
+    send.register("src", bytearray(range(64)))
+    info = recv.local_info()
+    relay = Relay((info["host"], info["port"]))
+    send.connect("decode0", {**info, "port": relay.port}, [desc])
+    one = [Unit([Write("src", 0, "dst", 0, 16)], imm=1)]
+    send.post("decode0", one, wr_id=1)
+    assert wait_completions(send, 1) == [Completion(1, True)]
+
+    relay.held.set()
+    send.post("decode0", [Unit([Write("src", 16, "dst", 16, 16)], imm=2)], wr_id=2)
+    deadline = time.monotonic() + 20
+    while relay.swallowed < 2 * FRAME.size + 16 and time.monotonic() < deadline:
+        time.sleep(1e-3)  # until the whole batch left the sender: it is in flight
+    relay.held.clear()
+    relay.cut()
+    [lost] = wait_completions(send, 1)
+    assert lost.wr_id == 2 and not lost.ok
+    assert f"tcp: peer 'decode0' at 127.0.0.1:{relay.port}: connection lost" in lost.error
+
+    send.post("decode0", [Unit([Write("src", 32, "dst", 32, 16)], imm=3)], wr_id=3)
+    assert wait_completions(send, 1) == [Completion(3, True)]
+    assert recv.poll().immediates == [1, 3]
+    assert dst == bytes(range(16)) + bytes(16) + bytes(range(32, 48)) + bytes(16)
+
+    relay.close()
+    send.post("decode0", one, wr_id=4)  # on the cut connection, or refused: it fails
+    assert [c.ok for c in wait_completions(send, 1)] == [False]
+    for wr_id in (5, 6):  # the attempts fail; then the peer is dead
+        send.post("decode0", one, wr_id=wr_id)
+        [c] = wait_completions(send, 1)
+        assert (c.wr_id, c.ok) == (wr_id, False)
+        assert c.error.startswith(f"tcp: peer 'decode0' at 127.0.0.1:{relay.port}: ")
+        assert f"no connection after {RECONNECT_ATTEMPTS} reconnect attempts" in c.error
+    send.close()
+    recv.close()
+
+
+def test_a_write_longer_than_a_frame_goes_as_several_frames() -> None:
+    """The receiver refuses frames over MAX_FRAME_BYTES, so the sender splits such a write;
+    the immediate rides on the last piece. (np.zeros: only the pages touched are mapped.)"""
+    recv, send = TcpTransport(endpoint="decode0"), TcpTransport(endpoint="prefill0")
+    n = MAX_FRAME_BYTES + 100
+    desc = recv.register("dst", np.zeros(n + 8, dtype=np.uint8))
+    src = np.zeros(n + 4, dtype=np.uint8)
+    src[4], src[4 + MAX_FRAME_BYTES] = 1, 2
+    send.register("src", src)
+    send.connect("decode0", recv.local_info(), [desc])
+    job = send._job("decode0", [Unit([Write("src", 4, "dst", 8, n)], imm=5)])
+    headers = [FRAME.unpack(h) for h, _ in job]
+    assert [(k, fl, off, nb, v) for k, fl, _, _, off, nb, v in headers] == [
+        (WRITE, 0, 8, MAX_FRAME_BYTES, 0),
+        (WRITE, HAS_IMM, 8 + MAX_FRAME_BYTES, 100, 5),
+    ]
+    assert [(len(p), p[0]) for _, p in job] == [(MAX_FRAME_BYTES, 1), (100, 2)]
+    send.close()
+    recv.close()
 
 
 def test_bad_writes_are_refused_at_post(receiver: ReceiverProcess) -> None:

@@ -25,6 +25,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from disagg.errors import TransportError
+
 
 @dataclass(frozen=True)
 class Descriptor:
@@ -170,6 +172,15 @@ class Transport(ABC):
         """A file descriptor that turns readable when immediates arrive (poll() clears it), for
         a loop that sleeps until then; None if this wire has none (poll it instead)."""
         return None
+
+    # -- faults (disagg.faults), on the wires that can inject them
+    def reset(self, peer: str) -> None:
+        """Drop the connection to `peer`: its posts in flight fail; the next reconnects."""
+        raise TransportError(f"the {self.name} wire cannot drop a connection on request")
+
+    def impair(self, for_s: float, bytes_per_s: float = 0.0) -> None:
+        """For `for_s`, move nothing (0) or at most `bytes_per_s` to any peer."""
+        raise TransportError(f"the {self.name} wire cannot take its NIC down on request")
 
     @abstractmethod
     def close(self) -> None:

@@ -1,13 +1,14 @@
 """The cuda wire: GPU memory between processes of one host, through CUDA IPC.
 
-A registered tensor's descriptor carries its CUDA IPC handle (torch's own sharing format,
-pickled and base64-encoded). The sender maps the peer's regions in `connect`; `post` validates
-every unit, groups each unit's writes by region pair and coalesces writes that continue each
-other into runs (a WriteArray with numpy, not one write at a time), then issues device copies
-on the wire's own stream at once. Which copies carry a group is the copy planner's choice
-(`copyplan`), issuing them the copier's (`copier`): one batched copy of the runs
-(`_foreach_copy_`), or, from GATHER_MIN_RUNS runs of whole rows (scattered pages), one gather
-into a temporary and one scatter into place (`gather`).
+A registered tensor's descriptor carries its CUDA IPC handle: what torch's own sharing sends,
+as plain JSON values checked on arrival (`IpcHandle`; nothing a peer sends is unpickled). The
+sender maps the peer's regions in `connect`; `post` validates every unit, groups each unit's
+writes by region pair and coalesces writes that continue each other into runs (a WriteArray
+with numpy, not one write at a time), then issues device copies on the wire's own stream at
+once. Which copies carry a group is the copy planner's choice (`copyplan`), issuing them the
+copier's (`copier`): one batched copy of the runs (`_foreach_copy_`), or, from GATHER_MIN_RUNS
+runs of whole rows (scattered pages), one gather into a temporary and one scatter into place
+(`gather`).
 
 After each unit with an immediate the sender records an event; a worker thread waits for it
 and only then sends the immediate to the receiver over a TCP side channel, so the receiver sees
@@ -41,8 +42,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import itertools
-import pickle
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -65,6 +67,127 @@ def tensor_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     if make is None:
         raise TransportError(f"cuda wire: torch {torch.__version__} cannot wrap a mapped region")
     return torch.empty(0, dtype=torch.uint8, device=device).set_(make(ptr, device, nbytes))
+
+
+_HANDLE_MAX_BYTES = 1 << 20  # torch's allocation handle (longer for expandable segments)
+_IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: an event handle
+_SHM_NAME = re.compile(rb"/?[A-Za-z0-9_.-]{1,250}")  # torch's ref counter: a shared-memory name
+_MAX_DEVICE = 1 << 10
+_MAX_SIZE = 1 << 62
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """What a peer needs to map a flat uint8 CUDA tensor through torch's IPC (the fields of
+    `UntypedStorage._share_cuda_()` and where the tensor lies in its storage), as plain values.
+    `to_json` gives JSON values (bytes as base64); `from_json` checks a peer's, so that nothing
+    but these values reaches torch; `rebuild_args` are `rebuild_cuda_tensor`'s arguments."""
+
+    device: int  # the GPU's index
+    handle: bytes | None  # the allocation's (None: an empty storage)
+    storage_nbytes: int
+    storage_offset: int  # bytes from the allocation's start
+    ref_counter: bytes | None  # the shared-memory name of the producer's reference counter
+    ref_counter_offset: int
+    event: bytes | None  # an IPC event handle to wait on (when `event_sync`)
+    event_sync: bool | None
+    tensor_offset: int  # bytes from the storage's start
+    numel: int  # bytes
+
+    @staticmethod
+    def of(flat: torch.Tensor) -> IpcHandle:
+        """The handle of `flat`, a contiguous 1-D uint8 CUDA tensor."""
+        _, args = reduce_tensor(flat)
+        _, size, _, offset, _, _, device, handle, nbytes, storage_offset, _, *rest = args
+        ref_counter, ref_offset, event, event_sync = rest
+        return IpcHandle(
+            device=device,
+            handle=handle,
+            storage_nbytes=nbytes,
+            storage_offset=storage_offset,
+            ref_counter=ref_counter,
+            ref_counter_offset=ref_offset,
+            event=event,
+            event_sync=event_sync,
+            tensor_offset=offset,
+            numel=int(size[0]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
+            for k, v in values.items()
+        }
+
+    @staticmethod
+    def from_json(data: Any, nbytes: int) -> IpcHandle:
+        """The handle a peer sent for a region of `nbytes`; TransportError naming the first field
+        that is missing, of the wrong type, or out of range."""
+        if not isinstance(data, dict):
+            raise TransportError(f"cuda: an IPC handle is an object, not {type(data).__name__}")
+        names = [f.name for f in fields(IpcHandle)]
+        if set(data) != set(names):
+            got = sorted(str(k) for k in data)
+            raise TransportError(f"cuda: an IPC handle has the fields {names}, not {got}")
+        ints = {
+            n: _int_field(data, n, _MAX_DEVICE if n == "device" else _MAX_SIZE)
+            for n in names
+            if n not in ("handle", "ref_counter", "event", "event_sync")
+        }
+        handle = _bytes_field(data, "handle", _HANDLE_MAX_BYTES)
+        ref_counter = _bytes_field(data, "ref_counter", 255)
+        event = _bytes_field(data, "event", _IPC_HANDLE_BYTES)
+        sync = data["event_sync"]
+        if sync is not None and not isinstance(sync, bool):
+            raise TransportError(f"cuda: IPC handle field event_sync is {type(sync).__name__}")
+        if ref_counter is not None and not _SHM_NAME.fullmatch(ref_counter):
+            raise TransportError("cuda: IPC handle field ref_counter is not a shared-memory name")
+        if event is not None and len(event) != _IPC_HANDLE_BYTES:
+            raise TransportError(f"cuda: IPC handle field event is {len(event)} bytes, not 64")
+        if (handle is None or ref_counter is None) and ints["storage_nbytes"]:
+            raise TransportError("cuda: an IPC handle of a non-empty storage lacks its handle")
+        if ints["numel"] != nbytes:
+            raise TransportError(f"cuda: IPC handle field numel {ints['numel']} != {nbytes} bytes")
+        if ints["tensor_offset"] + ints["numel"] > ints["storage_nbytes"]:
+            raise TransportError("cuda: IPC handle fields tensor_offset + numel pass the storage")
+        return IpcHandle(
+            handle=handle, ref_counter=ref_counter, event=event, event_sync=sync, **ints
+        )
+
+    def rebuild_args(self) -> tuple[Any, ...]:
+        """`rebuild_cuda_tensor`'s arguments (as `reduce_tensor` gives them for a flat uint8
+        tensor): the tensor over this handle's bytes."""
+        return (
+            torch.Tensor, torch.Size([self.numel]), (1,), self.tensor_offset,
+            torch.storage.TypedStorage, torch.uint8, self.device, self.handle,
+            self.storage_nbytes, self.storage_offset, False, self.ref_counter,
+            self.ref_counter_offset, self.event, self.event_sync,
+        )  # fmt: skip
+
+
+def _int_field(data: dict[str, Any], name: str, end: int) -> int:
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < end:
+        raise TransportError(
+            f"cuda: IPC handle field {name} must be an int in [0, {end}), not {value!r:.40}"
+        )
+    return value
+
+
+def _bytes_field(data: dict[str, Any], name: str, max_bytes: int) -> bytes | None:
+    """A base64 field of at most `max_bytes` bytes, or None."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 4 * (max_bytes // 3 + 1):
+        raise TransportError(
+            f"cuda: IPC handle field {name} must be base64 of at most {max_bytes} bytes"
+        )
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise TransportError(f"cuda: IPC handle field {name} is not base64") from e
 
 
 def _wait_and_notify(link: Link, job: Events) -> None:
@@ -131,8 +254,7 @@ class CudaTransport(SocketWire):
             raise TransportError(f"all regions of one endpoint live on {self.device}")
         flat = buffer.reshape(-1).view(torch.uint8)
         self._local[region] = flat
-        _, args = reduce_tensor(flat)
-        info = {"ipc": base64.b64encode(pickle.dumps(args)).decode(), "device": flat.device.index}
+        info = {"ipc": IpcHandle.of(flat).to_json(), "device": flat.device.index}
         try:  # a handle for senders on other GPUs (not for torch's expandable segments)
             with torch.cuda.device(flat.device):
                 handle, offset = cudadriver.export(flat.data_ptr())
@@ -146,14 +268,14 @@ class CudaTransport(SocketWire):
         mapped: dict[str, Region] = {}
         for d in regions:
             try:
-                other_gpu = self.device is not None and d.info["device"] != self.device.index
+                device = _int_field(d.info, "device", _MAX_DEVICE)
+                other_gpu = self.device is not None and device != self.device.index
                 if (other_gpu or self.by_address) and "cu_ipc" in d.info:
                     mapped[d.region] = self._map(d)
                     continue
-                mapped[d.region] = rebuild_cuda_tensor(
-                    *pickle.loads(base64.b64decode(d.info["ipc"]))
-                )
-            except (RuntimeError, KeyError) as e:
+                ipc = IpcHandle.from_json(d.info.get("ipc"), d.nbytes)
+                mapped[d.region] = rebuild_cuda_tensor(*ipc.rebuild_args())
+            except (RuntimeError, TransportError) as e:
                 raise TransportError(
                     f"cuda: cannot map region {d.region!r} of {peer!r}: {e}"
                 ) from e
@@ -163,11 +285,14 @@ class CudaTransport(SocketWire):
     def _map(self, d: Descriptor) -> Mapped:
         """A region on another GPU, opened in this endpoint's context (each allocation once):
         its address, and (`peer_kernels`) a tensor of this GPU over it."""
-        handle = base64.b64decode(d.info["cu_ipc"])
+        handle = _bytes_field(d.info, "cu_ipc", _IPC_HANDLE_BYTES)
+        if handle is None or len(handle) != _IPC_HANDLE_BYTES:
+            raise TransportError("a driver IPC handle (cu_ipc) is 64 bytes")
+        offset = _int_field(d.info, "cu_offset", _MAX_SIZE)
         if handle not in self._opened:
             with torch.cuda.device(self.device):
                 self._opened[handle] = cudadriver.open_handle(handle)
-        ptr = self._opened[handle] + int(d.info["cu_offset"])
+        ptr = self._opened[handle] + offset
         view = None
         if self.peer_kernels:
             assert self.device is not None

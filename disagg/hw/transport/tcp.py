@@ -4,7 +4,9 @@ A background thread per incoming connection writes each WRITE frame's payload st
 registered buffer and records its immediate after the bytes landed; frames of one connection
 are applied in order, so an immediate also implies every earlier unit from that sender landed.
 Batches complete when the receiver acknowledges them; a broken connection fails every open
-batch with an error naming the peer.
+batch with an error naming the peer (`_wire` says how senders authenticate, how receivers check
+frames and how a broken link reconnects). A write longer than MAX_FRAME_BYTES goes as several
+frames.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from disagg.errors import TransportError
 from disagg.hw.transport._wire import (
     HAS_IMM,
     IMM,
+    MAX_FRAME_BYTES,
     SMALL,
     WRITE,
     Link,
@@ -115,16 +118,20 @@ class TcpTransport(SocketWire):
                     raise TransportError(f"unknown region in write {w} (local or of peer {peer!r})")
                 if w.src_offset + w.nbytes > len(src) or w.dst_offset + w.nbytes > dst.nbytes:
                     raise TransportError(f"write {w} is out of bounds")
-                imm = unit.imm if i == len(writes) - 1 else None
-                header = frame(
-                    WRITE,
-                    imm or 0,
-                    dst.info["id"],
-                    w.dst_offset,
-                    w.nbytes,
-                    HAS_IMM if imm is not None else 0,
-                )
-                job.append((header, src[w.src_offset : w.src_offset + w.nbytes]))
+                for start in range(0, max(w.nbytes, 1), MAX_FRAME_BYTES):
+                    nbytes = min(MAX_FRAME_BYTES, w.nbytes - start)
+                    last = i == len(writes) - 1 and start + nbytes == w.nbytes
+                    imm = unit.imm if last else None
+                    header = frame(
+                        WRITE,
+                        imm or 0,
+                        dst.info["id"],
+                        w.dst_offset + start,
+                        nbytes,
+                        HAS_IMM if imm is not None else 0,
+                    )
+                    at = w.src_offset + start
+                    job.append((header, src[at : at + nbytes]))
         return job
 
     def post(self, peer: str, units: Sequence[Unit], wr_id: int) -> None:
