@@ -45,9 +45,10 @@ def experiment(args: argparse.Namespace, mode: str, load: float) -> dict:
         "name": run_name(mode, load),
         "seed": 0,
         "model": {"name": args.model, "weight_dtype": "bf16"},
-        "cluster": {
+        "cluster": {"mode": mode, "colocated": colocated}
+        if mode == "colocated"
+        else {
             "mode": mode,
-            "colocated": colocated,
             "prefill": {"nodes": 1, "tp": 1, "token_budget": args.prompt, "max_batch": 8},
             "decode": {"nodes": 1, "tp": 1, "max_batch": args.max_batch},
         },

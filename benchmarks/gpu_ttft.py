@@ -143,7 +143,9 @@ def experiment(
         "name": f"{model}-{mode}-{policy}-{handoff}",
         "seed": 0,
         "model": {"name": model, "weight_dtype": "bf16", **({"layers": LAYERS} if LAYERS else {})},
-        "cluster": {"mode": mode, "colocated": group, "prefill": group, "decode": group},
+        "cluster": {"mode": mode, "colocated": group}
+        if mode == "colocated"
+        else {"mode": mode, "prefill": group, "decode": group},
         "kv": {"page_size": PAGE, "layout": "HND"},
         "transfer": {"policy": policy, "handoff": handoff},
         "workload": {"trace": str(trace_path)},

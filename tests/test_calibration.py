@@ -53,17 +53,19 @@ def test_decode_within_the_rooflines_known_overestimate(both: dict[str, tuple]) 
 def cpu_experiment(mode: str) -> Experiment:
     """tiny-gqa on CPU: six 2000-token prompts arriving at once (chunks of 1024 tokens), 24
     output tokens each. A prefill chunk costs tens of ms here, a decode pass a few."""
+    groups = {
+        "colocated": {"colocated": {"nodes": 1, "tp": 1, "token_budget": 1024, "max_batch": 16}},
+        "disagg": {
+            "prefill": {"nodes": 1, "tp": 1, "token_budget": 1024},
+            "decode": {"nodes": 1, "tp": 1, "max_batch": 16},
+        },
+    }
     return build_experiment(
         {
             "name": f"calibration-{mode}",
             "seed": 3,
             "model": {"name": "tiny-gqa", "layers": 2},
-            "cluster": {
-                "mode": mode,
-                "colocated": {"nodes": 1, "tp": 1, "token_budget": 1024, "max_batch": 16},
-                "prefill": {"nodes": 1, "tp": 1, "token_budget": 1024},
-                "decode": {"nodes": 1, "tp": 1, "max_batch": 16},
-            },
+            "cluster": {"mode": mode, **groups[mode]},
             "kv": {"page_size": 16, "pages": 1024},
             "hw": {"wire": "tcp"},  # CPU devices
             "workload": {

@@ -10,6 +10,7 @@ pytest.importorskip("zmq")
 from disagg.core.messenger import PrefillRequest, TransferAborted
 from disagg.errors import TransportError
 from disagg.hw.control import PACK_MIN, Control, decode, encode
+from disagg.hw.protocol import Finished
 
 
 def test_messages_round_trip() -> None:
@@ -29,10 +30,13 @@ def test_long_integer_sequences_travel_packed_and_come_back_exact() -> None:
     two = PrefillRequest(7, 3, 1, len(prompt), tuple(range(PACK_MIN)), 0, prompt)
     assert len(encode(two)) == 3 and decode(encode(two)) == two  # pages and prompt: two frames
     # too large for int32, or not integers: plain JSON, still exact
-    for odd in (tuple(range(2**31, 2**31 + PACK_MIN)), tuple(i / 2 for i in range(PACK_MIN))):
-        msg = PrefillRequest(7, 3, 1, 1, odd, 0)
-        assert len(encode(msg)) == 1 and b"__i32__" not in encode(msg)[0]
-        assert decode(encode(msg)) == msg
+    halves = tuple(i / 2 for i in range(PACK_MIN))
+    for odd in (
+        PrefillRequest(7, 3, 1, 1, tuple(range(2**31, 2**31 + PACK_MIN)), 0),
+        Finished(7, "ok", "", (), {}, logits=halves, metadata_sum=0.0),
+    ):
+        assert len(encode(odd)) == 1 and b"__i32__" not in encode(odd)[0]
+        assert decode(encode(odd)) == odd
 
 
 def test_a_malformed_message_is_a_clear_error() -> None:

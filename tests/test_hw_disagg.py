@@ -25,7 +25,7 @@ import torch
 from disagg.config import build_experiment, load_experiment
 from disagg.core.metrics import queue_parts
 from disagg.errors import ConfigError
-from disagg.hw import latency, node
+from disagg.hw import latency
 from disagg.hw.batch import Seq
 from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.driver import HwRun, run_hw
@@ -40,12 +40,7 @@ def experiment(
         "name": f"{model}-{mode}",
         "seed": 5,
         "model": {"name": model, "weight_dtype": "bf16"},
-        "cluster": {
-            "mode": mode,
-            "colocated": {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8},
-            "prefill": {"nodes": 1, "tp": 1, "token_budget": budget},
-            "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
-        },
+        "cluster": {"mode": mode, **groups(mode, budget)},
         "kv": {"page_size": 4, "layout": layout},
         "transfer": {"handoff": handoff},
         "workload": {
@@ -54,6 +49,16 @@ def experiment(
             "prompt_tokens": {"dist": "uniform", "low": 6, "high": 30},
             "output_tokens": {"dist": "uniform", "low": 3, "high": 7},
         },
+    }
+
+
+def groups(mode: str, budget: int) -> dict:
+    """One node of each group the mode runs (a group it does not run is an error)."""
+    if mode == "colocated":
+        return {"colocated": {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8}}
+    return {
+        "prefill": {"nodes": 1, "tp": 1, "token_budget": budget},
+        "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
     }
 
 
@@ -275,6 +280,72 @@ def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path
     assert not any(p.is_alive() for p in driver.procs.values())
 
 
+def test_a_server_death_ends_the_run_with_every_request_in_the_tables(tmp_path: Path) -> None:
+    """A server that dies mid-run ends it (one server per role: nothing can take over), but
+    not silently: every request is in the tables, finished or unfinished with the reason, the
+    summary counts them, and the error says where the tables are."""
+    import multiprocessing as mp
+
+    from disagg.errors import TransportError
+
+    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data["workload"] = {**data["workload"], "rate_per_s": 4, "num_requests": 20}
+    killed: list[str] = []
+
+    def kill_prefill_after_two(done: int, total: int) -> None:
+        for p in mp.active_children():
+            if done >= 2 and p.name == "prefill0" and not killed:
+                p.kill()
+                killed.append(p.name)
+
+    out = tmp_path / "run"
+    with pytest.raises(TransportError, match=r"server prefill0 died(.|\n)*tables of what ran"):
+        run_hw(build_experiment(data, ["kv.pages=128"]), out, kill_prefill_after_two)
+    req = pd.read_parquet(out / "requests.parquet")
+    assert len(req) == 20 and set(req.status) <= {"finished", "unfinished"}
+    unfinished = req[req.status == "unfinished"]
+    assert (req.status == "finished").sum() >= 2 and len(unfinished) >= 1
+    assert unfinished.fail_reason.str.startswith("the run stopped: server prefill0 died").all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unfinished"] == len(unfinished) and "prefill0 died" in summary["stopped"]
+    assert not mp.active_children()
+
+
+@pytest.mark.parametrize("stalled", ["decode0", "prefill0"])
+def test_a_server_stalled_then_resumed_loses_no_request(stalled: str, tmp_path: Path) -> None:
+    """SIGSTOP one server for longer than its peer's death time, with work queued, then
+    SIGCONT. Its peer thought it dead and gave its transfers up; when it comes back every
+    request still ends (finished, or failed with a reason), nothing crashes or hangs, and no
+    page is left reserved (the run's own check: requests all accounted for)."""
+    import os
+    import signal
+    import threading
+
+    data = experiment("tiny-gqa", "disagg", "HND", 8)  # 8-token chunks: prefill is the queue
+    data["workload"] |= {"rate_per_s": 40, "num_requests": 30}
+    data["workload"]["prompt_tokens"] = {"dist": "uniform", "low": 300, "high": 500}
+    data["transfer"] |= {"timeout_s": 2.0, "max_attempts": 5}
+    settings = ["kv.pages=4096", "hw.dead_after_s=1", "hw.drain_timeout_s=60"]
+    stopped: list[int] = []
+
+    def stall_once(done: int, total: int) -> None:
+        if done >= 1 and not stopped:
+            import multiprocessing as mp
+
+            (proc,) = [p for p in mp.active_children() if p.name == stalled]
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped.append(proc.pid)
+            threading.Timer(3.0, os.kill, (proc.pid, signal.SIGCONT)).start()
+
+    summary, state = run_hw(build_experiment(data, settings), tmp_path / "run", stall_once)
+    assert stopped and len(state.finished) == 30
+    req = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    assert set(req.status) <= {"finished", "failed"}
+    assert (req[req.status == "failed"].fail_reason != "").all()
+    assert summary["completed"] >= 1 and summary["completed"] + summary["failed"] == 30
+    assert summary["peers_declared_dead"] >= 1  # its peer thought it dead, and went on
+
+
 def test_a_stuck_server_is_an_error_naming_it_and_says_where_its_threads_are(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -313,7 +384,7 @@ def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> No
 
     from disagg.core.messenger import CancelTransfer, PrefillRequest
     from disagg.hw.control import Control
-    from disagg.hw.protocol import Start
+    from disagg.hw.protocol import NodeConfig, Start
 
     here, driver, decoder = Control("prefill0"), Control("driver"), Control("decode0")
     try:
@@ -327,8 +398,9 @@ def test_a_peer_message_that_comes_before_the_start_is_kept_for_after_it() -> No
         # the Start comes later, from the driver's own thread, while the server waits for it
         start = threading.Timer(0.3, driver.send, ("prefill0", Start(12.5)))
         start.start()
-        server = object.__new__(PrefillServer)
-        server.control, server.running, server.stats = here, True, node._Stats()
+        data = experiment("tiny-gqa", "disagg", "HND", 64)
+        exp = build_experiment(data, ["kv.pages=64"]).model_dump(mode="json")
+        server = PrefillServer(NodeConfig("prefill", 0, exp, "tcp://127.0.0.1:1"), here)
         early = server.wait_start()
         assert early == [("decode0", pages), ("decode0", cancel)]
         assert server.t0 == 12.5 and server.running
@@ -643,9 +715,11 @@ def test_servers_that_decode_capture_their_graphs_at_start() -> None:
         ("colocated", "colocated", ColocatedServer),
         ("prefill", "disagg", PrefillServer),
     ):
-        data = experiment("tiny-gqa", mode, "HND", 64)
-        data["cluster"]["decode"]["max_batch"] = 6
-        data["cluster"]["colocated"]["max_batch"] = 3
+        data = experiment("llama-3.1-8b", mode, "HND", 64)  # head_dim 128: FlashInfer's
+        data["model"]["layers"] = 1
+        data["kv"]["page_size"] = 16
+        batching = "colocated" if mode == "colocated" else "decode"
+        data["cluster"][batching]["max_batch"] = {"decode": 6, "colocated": 3}[batching]
         data["hw"] = {"prefill_device": "cuda:0", "decode_device": "cuda:0"}
         exp = build_experiment(data, ["kv.pages=16"]).model_dump(mode="json")
         server = cls(NodeConfig(role, 0, exp, "tcp://127.0.0.1:1"))

@@ -13,6 +13,7 @@ import torch
 from disagg.core import messenger as m
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole
+from disagg.errors import ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
 from disagg.hw.node import Server, single_gpu_plan
@@ -44,6 +45,20 @@ class GeneratingServer(Server):
             float(self.meta_sums.pop(req.id, math.nan)),
         )
         self.control.send("driver", msg)
+
+    def accept(self, msg: Submit, known: bool) -> Request | None:
+        """The request `msg` submits, or None if it failed at once (reported to the driver).
+        A request id already known here is a ProtocolError (the message is dropped)."""
+        if known or msg.req_id in self.outputs:
+            raise ProtocolError(f"request id {msg.req_id} is already in use here")
+        req = msg.request()
+        self.outputs[req.id] = []
+        why = self.bad_prompt(msg.prompt, msg.output_tokens)
+        if why:
+            req.fail(why)
+            self.finished(req)
+            return None
+        return req
 
     def pass_ran(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Keep the pass's rows and logits for `finished` (until the next pass)."""
@@ -82,10 +97,10 @@ class DecodeServer(GeneratingServer):
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
             self.mark(msg.req_id, "received")
-            req = msg.request()
-            self.outputs[req.id] = []
-            self.role.submit(req, 0)
-            self.plan_first_pass(req)  # after the handoff has left
+            req = self.accept(msg, msg.req_id in self.role.requests)
+            if req is not None:
+                self.role.submit(req, 0)
+                self.plan_first_pass(req)  # after the handoff has left
         else:
             self.role.on_message(msg)
 
@@ -169,9 +184,9 @@ class ColocatedServer(GeneratingServer):
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
             self.mark(msg.req_id, "received")
-            req = msg.request()
-            self.outputs[req.id] = []
-            self.role.submit(req)
+            req = self.accept(msg, False)
+            if req is not None:
+                self.role.submit(req)
 
     def step(self) -> bool:
         batch = self.role.next_batch()
@@ -235,4 +250,5 @@ def _finished(
         meta_sum,
         req.prefill_node,
         req.decode_node,
+        req.attempts,
     )

@@ -14,6 +14,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,10 +38,21 @@ from disagg.core.metrics import (
 from disagg.core.request import Request, Status
 from disagg.core.workload import generate
 from disagg.errors import ConfigError, TransportError
+from disagg.faults import (
+    DelayControl,
+    DropConnection,
+    Kill,
+    NicDegrade,
+    NicDown,
+    Stop,
+    attribute,
+)
 from disagg.hw.attention import parse_attention
+from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
 from disagg.hw.protocol import (
     Finished,
+    Inject,
     NodeConfig,
     NodeUp,
     Peers,
@@ -60,6 +72,8 @@ class HwRun:
     finished: dict[int, Finished] = field(default_factory=dict)
     records: dict[str, Records] = field(default_factory=dict)
     sent: list[tuple[int, str, str, float]] = field(default_factory=list)  # the driver's hops
+    ended_s: dict[int, float] = field(default_factory=dict)  # when the driver heard the end
+    stopped_s: float = math.nan  # when the run stopped early (a server died, ...)
 
 
 def hw_experiment(exp: Experiment) -> Experiment:
@@ -68,12 +82,15 @@ def hw_experiment(exp: Experiment) -> Experiment:
     return exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
 
 
-def node_configs(exp: Experiment, driver: str, return_logits: bool = False) -> list[NodeConfig]:
-    """The servers of `exp` (one per role), each told the driver's control endpoint."""
+def node_configs(
+    exp: Experiment, driver: str, return_logits: bool = False, secret: bytes | None = None
+) -> list[NodeConfig]:
+    """The servers of `exp` (one per role), each told the driver's control endpoint (and the
+    control plane's `secret`, when it has one)."""
     data = exp.model_dump(mode="json")
     bind = exp.hw.bind.rsplit(":", 1)[0] + ":*"  # the driver's host, any port
     roles = ["colocated"] if exp.cluster.mode == "colocated" else ["prefill", "decode"]
-    return [NodeConfig(r, 0, data, driver, bind, return_logits) for r in roles]
+    return [NodeConfig(r, 0, data, driver, bind, return_logits, secret) for r in roles]
 
 
 def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
@@ -81,6 +98,45 @@ def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
     rng = np.random.default_rng(exp.seed + 1)
     vocab = exp.model.spec.vocab
     return [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in lengths]
+
+
+def fault_actions(exp: Experiment, external: tuple[str, ...]) -> list[tuple[float, str, Any]]:
+    """The experiment's faults as (time, server, action), in time order. An action is a signal
+    (a kill is SIGKILL, a stop SIGSTOP then SIGCONT: spawned servers only) or an Inject message
+    the server carries out (its wire's connection or NIC, its control messages). ConfigError
+    for a fault this run cannot inject."""
+    actions: list[tuple[float, str, Any]] = []
+    for i, f in enumerate(exp.faults):
+        where = f"faults[{i}]"
+        if isinstance(f, Kill | Stop) and f.node in external:
+            raise ConfigError(
+                f"{where}.node={f.node!r} is started elsewhere: it cannot be signalled"
+            )
+        if isinstance(f, NicDown | NicDegrade | DropConnection) and exp.hw.wire == "verbs":
+            raise ConfigError(
+                f"{where}.kind={f.kind!r}: the verbs wire's NICs and connections are not "
+                "faulted on request (the simulator models it: disagg sim run)"
+            )
+        if isinstance(f, NicDegrade) and exp.hw.wire != "tcp":
+            raise ConfigError(
+                f"{where}.kind='nic_degrade' paces the tcp wire only, not {exp.hw.wire}"
+            )
+        if isinstance(f, Kill):
+            actions.append((f.at_s, f.node, signal.SIGKILL))
+        elif isinstance(f, Stop):
+            actions += [
+                (f.at_s, f.node, signal.SIGSTOP),
+                (f.at_s + f.for_s, f.node, signal.SIGCONT),
+            ]
+        elif isinstance(f, DropConnection):
+            actions.append((f.at_s, f.node, Inject("drop_connection", peer=f.peer)))
+        elif isinstance(f, NicDegrade):
+            actions.append((f.at_s, f.node, Inject(f.kind, for_s=f.for_s, gbps=f.gbps)))
+        elif isinstance(f, NicDown):
+            actions.append((f.at_s, f.node, Inject(f.kind, for_s=f.for_s)))
+        elif isinstance(f, DelayControl):
+            actions.append((f.at_s, f.node, Inject(f.kind, for_s=f.for_s, delay_s=f.delay_s)))
+    return sorted(actions, key=lambda a: a[0])
 
 
 def check_hw_experiment(exp: Experiment) -> None:
@@ -107,11 +163,21 @@ class Driver:
         parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
         self.exp, self.hw, self.external = exp, exp.hw, external
-        self.control = Control("driver", self.hw.bind, dead_after_s=self.hw.silent_after_s)
-        self.configs = node_configs(exp, self.control.endpoint, return_logits)
+        self.control = Control(
+            "driver",
+            self.hw.bind,
+            dead_after_s=self.hw.silent_after_s,
+            secret=control_secret(
+                self.hw, self.hw.bind, generate=not external, base_dir=exp.base_dir
+            ),
+        )
+        self.configs = node_configs(exp, self.control.endpoint, return_logits, self.control.secret)
+        self.control.allow(cfg.name for cfg in self.configs)  # strangers' messages drop
         self.procs: dict[str, Any] = {}
         self.run_state = HwRun()
         self.stuck: set[str] = set()
+        self.faults = fault_actions(exp, external)  # still to inject
+        self.t0 = math.nan  # the run's clock starts at the Start
 
     # -- starting
     def start(self) -> None:
@@ -184,29 +250,31 @@ class Driver:
         entry = [self.configs[-1].name]
         if self.exp.cluster.mode == "disagg" and self.exp.transfer.handoff == "parallel":
             entry.insert(0, self.configs[0].name)
-        t0 = time.time()
+        self.t0 = t0 = time.time()
         for cfg in self.configs:
             self.control.send(cfg.name, Start(t0))
         pending = list(zip(arrivals, prompts, strict=True))
         last_arrival = arrivals[-1].arrival_s
         state = self.run_state
+        for a in arrivals:  # every request has its row, whether the run reaches it or not
+            state.requests[a.request_id] = Request(
+                a.request_id,
+                a.arrival_s,
+                a.prompt_tokens,
+                a.output_tokens,
+                prefill_node=0,
+                decode_node=0,
+            )
         while len(state.finished) < len(arrivals):
             now = time.time() - t0
             while pending and pending[0][0].arrival_s <= now:
                 a, prompt = pending.pop(0)
-                state.requests[a.request_id] = Request(
-                    a.request_id,
-                    a.arrival_s,
-                    a.prompt_tokens,
-                    a.output_tokens,
-                    prefill_node=0,
-                    decode_node=0,
-                )
                 state.sent.append((a.request_id, "driver", "sent", time.time() - t0))  # before
                 self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
             # wake for the next arrival on time (recv sleeps below a millisecond)
             self._receive(min(0.001, max(0.0, pending[0][0].arrival_s - now)) if pending else 0.05)
             self.control.heartbeat()  # servers stop when the driver falls silent
+            self.inject(now)
             self.check_silent()
             if progress:
                 progress(len(state.finished), len(arrivals))
@@ -218,18 +286,45 @@ class Driver:
                 )
         return state
 
+    def inject(self, now: float) -> None:
+        """Inject the faults due by `now` (the run's clock)."""
+        while self.faults and self.faults[0][0] <= now:
+            _, name, action = self.faults.pop(0)
+            if isinstance(action, Inject):
+                self.control.send(name, action)
+                continue
+            proc = self.procs[name]
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, action)
+
     def _receive(self, timeout_s: float) -> None:
         msg = self.control.recv(timeout_s)
         while msg is not None:
-            body = msg[1]
+            sender, body = msg
             if isinstance(body, Finished):
-                self.run_state.finished[body.req_id] = body
+                self.finish(sender, body)
             elif isinstance(body, Records):
                 self.run_state.records[body.name] = body
                 if body.error:
                     raise TransportError(body.error)
             msg = self.control.recv(0.0)
         self.check_children()
+
+    def finish(self, sender: str, fin: Finished) -> None:
+        """A request's end, as its server reports it: kept once, for a request of this run;
+        any other (a stranger's id, a second end) is dropped and counted, as the servers do."""
+        state = self.run_state
+        why = ""
+        if fin.req_id not in state.requests:
+            why = "not a request of this run"
+        elif fin.req_id in state.finished:
+            why = "it had ended already"
+        if why:
+            self.control.dropped += 1
+            print(f"driver: dropped Finished {fin.req_id} from {sender}: {why}", file=sys.stderr)
+            return
+        state.finished[fin.req_id] = fin
+        state.ended_s[fin.req_id] = time.time() - self.t0
 
     def _last_words(self, name: str, wait_s: float = 1.0) -> None:
         """A server that exits right after saying why (it cannot start) may be seen dead before
@@ -244,6 +339,9 @@ class Driver:
     def stop(self) -> None:
         """Ask every server to stop, collect its records, and make sure no child is left."""
         dead = {n for n, p in self.procs.items() if not p.is_alive()}
+        for name, proc in self.procs.items():  # a server stopped by a fault cannot answer
+            if name not in dead and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGCONT)
         awaited = {c.name for c in self.configs if c.name in self.control.dealers}
         awaited -= self.stuck | dead
         for name in sorted(awaited):
@@ -273,31 +371,54 @@ def run_hw(
     return_logits: bool = False,
 ) -> tuple[dict[str, Any], HwRun]:
     """Run the experiment on local devices (its `[hw]` settings); write the tables and the
-    experiment as run to `out`; return the summary."""
+    experiment as run to `out`; return the summary. A run that stops early (a server died or
+    got stuck, requests were left) writes its tables too, each request with its final status
+    (finished, failed with its reason, or unfinished: the run stopped), then raises."""
     start = time.perf_counter()
     driver = Driver(exp, external, return_logits)
     exp = driver.exp
+    stopped: TransportError | None = None
     try:
         driver.start()
-        state = driver.replay(progress)
+        driver.replay(progress)
+    except TransportError as e:
+        stopped = e
+        driver.run_state.stopped_s = time.time() - driver.t0
     finally:
         driver.stop()
+    state = driver.run_state
+    if stopped is not None and not state.requests:
+        raise stopped  # it never started: nothing to write
     wall = time.perf_counter() - start
-    req, steps, xfers = tables(state)
+    req, steps, xfers = tables(state, f"the run stopped: {stopped}" if stopped else "")
     summary = summarize(req, steps, xfers, len(driver.configs), wall)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": exp.hw.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
-    for key in ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start"):
+    counters = ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start")
+    for key in (*counters, "messages_dropped", "peers_declared_dead", "faults_injected"):
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
+    summary["messages_dropped"] += driver.control.dropped  # the driver's own refusals too
+    summary["pages_in_use"] = {
+        n: r.counters.get("pages_in_use", 0) for n, r in state.records.items()
+    }
     summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
     summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}
     hops = hops_table(state)
     parts = queue_parts(req, hops, exp.transfer.handoff == "parallel").median()
     # medians over the requests, of the parts this run has (hops.parquet has every request's)
     summary["queue_parts_ms"] = {k: 1e3 * float(v) for k, v in parts.dropna().items()}
+    if stopped is not None:
+        summary["stopped"] = str(stopped)
+    if exp.faults:  # a request left unfinished ended with the kill that stopped the run
+        kills = [f.at_s for f in exp.faults if f.kind == "kill" and f.at_s <= state.stopped_s]
+        stop_s = max(kills, default=state.stopped_s)
+        ended = [state.ended_s.get(i, stop_s) for i in req.request_id[req.status != "finished"]]
+        summary["faults"] = attribute(exp.faults, ended)
     write_results(out, req, steps, xfers, summary)
     hops.to_parquet(out / "hops.parquet", index=False)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    if stopped is not None:
+        raise TransportError(f"{stopped} (the tables of what ran are in {out})")
     return summary, state
 
 
@@ -317,8 +438,10 @@ def hops_table(state: HwRun) -> pd.DataFrame:
     return hops.sort_values(["t_s", "request_id"], kind="stable").reset_index(drop=True)
 
 
-def tables(state: HwRun) -> tuple[Any, Any, Any]:
-    """The run's requests, steps and transfers tables (same columns as the simulator's)."""
+def tables(state: HwRun, stopped: str = "") -> tuple[Any, Any, Any]:
+    """The run's requests, steps and transfers tables (same columns as the simulator's). A
+    request not finished when the run `stopped` (why, if it did) is unfinished, with that
+    reason."""
     rec = Recorder()
     prefill_times: dict[int, tuple[float, float]] = {}
     for records in state.records.values():
@@ -330,12 +453,16 @@ def tables(state: HwRun) -> tuple[Any, Any, Any]:
     for req_id, fin in state.finished.items():
         req = state.requests[req_id]
         req.status = Status(fin.status)
-        req.fail_reason = fin.reason
+        req.fail_reason, req.attempts = fin.reason, fin.attempts
         for key, value in fin.times.items():
             if value is not None and not math.isnan(value):
                 setattr(req, key, value)
         if req_id in prefill_times:
             req.prefill_start_s, req.prefill_end_s = prefill_times[req_id]
             rec.landed(req_id, req.ready_s)
+    if stopped:
+        for req_id in set(state.requests) - set(state.finished):
+            state.requests[req_id].status = Status.UNFINISHED
+            state.requests[req_id].fail_reason = stopped
     rec.steps.sort(key=lambda s: (s[2], s[0]))
     return requests_table(state.requests.values()), steps_table(rec), transfers_table(rec)

@@ -16,6 +16,7 @@ a wire (tcp, cuda or verbs):
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -30,13 +31,15 @@ from disagg.core.kvcache import PagePool
 from disagg.core.metrics import Recorder
 from disagg.core.scheduler import Batch
 from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, ProtocolError, TransportError
 from disagg.hw import latency
+from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
 from disagg.hw.protocol import (
     META_SLOTS,
+    Inject,
     NodeConfig,
     NodeUp,
     Peers,
@@ -60,6 +63,9 @@ class _Stats:
     hops: list[tuple[int, str, str, float]] = field(default_factory=list)
 
 
+DRIVER_ONLY = (Peers, Start, Shutdown, Submit, Inject)  # what only the driver sends a server
+
+
 class Server:
     kind = "server"
 
@@ -76,7 +82,15 @@ class Server:
         self.spec = self.exp.model.spec
         self.layers = self.spec.layers
         if control is None:
-            control = Control(cfg.name, cfg.bind, dead_after_s=self.hw.dead_after_s)
+            control = Control(
+                cfg.name,
+                cfg.bind,
+                dead_after_s=self.hw.dead_after_s,
+                allowed=cfg.senders,
+                secret=control_secret(
+                    self.hw, cfg.bind, cfg.driver, given=cfg.secret, base_dir=self.exp.base_dir
+                ),
+            )
             control.connect("driver", cfg.driver)
         self.control = control
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
@@ -97,6 +111,15 @@ class Server:
         self.t0 = time.time()
         self.running = True
         self.early_messages = 0  # from peers, before the driver's Start (kept: wait_start)
+        self.dropped = 0  # control messages refused (Server.drop)
+        self.peers_declared_dead = 0  # peers silent for longer than hw.dead_after_s
+        self.faults_injected = 0  # Inject messages carried out
+        self.last_tick_s = time.monotonic()
+        self.dead: set[str] = set()  # peers silent for longer than hw.dead_after_s
+        # a delay_control fault: until when, and by how much, peers' messages are held (both
+        # ways); held ones leave (or are handled) in order, at their due time
+        self.delay: tuple[float, float] = (0.0, 0.0)
+        self.held: collections.deque[tuple[float, str, Any, bool]] = collections.deque()
         self.wire: Transport | None = None
 
     # -- lifecycle
@@ -126,6 +149,10 @@ class Server:
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
                     "messages_before_start": self.early_messages,
+                    "messages_dropped": self.dropped + self.control.dropped,  # protocol + socket
+                    "peers_declared_dead": self.peers_declared_dead,
+                    "faults_injected": self.faults_injected,
+                    "pages_in_use": self.pool.used_pages,  # at the end: 0 unless cut short
                 },
                 tuple(self.stats.hops),
             ),
@@ -173,8 +200,10 @@ class Server:
             got = self.control.recv(1.0)
             if got is None:
                 continue
-            _, msg = got
-            if isinstance(msg, Peers):
+            sender, msg = got
+            if isinstance(msg, DRIVER_ONLY) and sender != "driver":
+                self.drop(sender, msg, "only the driver sends it")
+            elif isinstance(msg, Peers):
                 for p in msg.peers:
                     self.meet(p)
                 self.control.send("driver", Started(self.cfg.name))
@@ -191,8 +220,8 @@ class Server:
         """Handle the peers' messages that came before the start, in order, before any that
         the socket holds now (a sender's later messages must not overtake its earlier ones)."""
         self.early_messages = len(early)
-        for _, msg in early:
-            self.dispatch(msg)
+        for sender, msg in early:
+            self.dispatch(sender, msg)
 
     def meet(self, peer: dict[str, Any]) -> None:
         self.control.connect(peer["name"], peer["endpoint"])
@@ -213,29 +242,103 @@ class Server:
         if not self.running:
             return
         self.control.heartbeat()
-        for peer in self.control.dead_peers():
+        now = time.monotonic()
+        if now - self.last_tick_s > self.hw.dead_after_s / 2:  # this process was stopped (or
+            # ran one long pass): its peers' queued heartbeats may not be read in yet, so their
+            # silence says nothing; hear them out before judging
+            self.control.last_seen = dict.fromkeys(self.control.last_seen, now)
+        self.last_tick_s = now
+        while self.held and self.held[0][0] <= now:
+            _, peer, msg, outgoing = self.held.popleft()
+            if outgoing:
+                self.control.send(peer, msg)
+            else:
+                self.handle_peer(peer, msg)
+        dead = set(self.control.dead_peers())
+        for peer in sorted(dead - self.dead):  # once per death: a stalled peer may come back
             self.on_dead(peer)
+        self.dead = dead
 
     def handle(self, got: tuple[str, Any] | None) -> None:
         """Handle `got` and every control message waiting behind it."""
         while got is not None and self.running:
-            self.dispatch(got[1])
+            self.dispatch(*got)
             got = self.control.recv(0.0) if self.running else None
 
-    def dispatch(self, msg: Any) -> None:
-        """One control message: Shutdown stops the loop; the rest go to the role."""
+    def dispatch(self, sender: str, msg: Any) -> None:
+        """One control message from `sender`: the driver's (Shutdown stops the loop) only
+        from the driver, the messenger's only from a peer; one that breaks the protocol is
+        dropped, said and counted, never a crash (it came from the network)."""
+        if isinstance(msg, DRIVER_ONLY) != (sender == "driver"):
+            self.drop(sender, msg, "not from this sender")
+            return
         if isinstance(msg, Shutdown):
             self.running = False
-            return
+        elif isinstance(msg, Inject):
+            self.inject(msg)
+        elif sender != "driver" and self.hold(sender, msg, outgoing=False):
+            pass  # a delay_control fault: handled later
+        else:
+            self.handle_peer(sender, msg)
+
+    def handle_peer(self, sender: str, msg: Any) -> None:
         self.stats.submits += isinstance(msg, Submit)
-        self.on_message(msg)
+        try:
+            self.on_message(msg)
+        except ProtocolError as e:
+            self.drop(sender, msg, str(e))
+
+    def hold(self, peer: str, msg: Any, outgoing: bool) -> bool:
+        """Hold a message to or from a peer while a delay_control fault lasts (and behind any
+        still held: order is kept); True if held."""
+        now = time.monotonic()
+        until, delay_s = self.delay
+        if now >= until and not self.held:
+            return False
+        due = max(now + (delay_s if now < until else 0.0), self.held[-1][0] if self.held else 0.0)
+        self.held.append((due, peer, msg, outgoing))
+        return True
+
+    def inject(self, fault: Inject) -> None:
+        """A fault the driver injects here (disagg.faults; the driver checked the wire)."""
+        try:
+            if fault.kind == "delay_control":
+                self.delay = (time.monotonic() + fault.for_s, fault.delay_s)
+            elif self.wire is None:
+                raise TransportError("no wire")
+            elif fault.kind == "drop_connection":
+                self.wire.reset(fault.peer)
+            elif fault.kind in ("nic_down", "nic_degrade"):
+                self.wire.impair(fault.for_s, fault.gbps * 1e9 / 8)
+            else:
+                raise TransportError(f"unknown fault {fault.kind!r}")
+            self.faults_injected += 1
+        except TransportError as e:
+            self.drop("driver", fault, str(e))
+
+    def drop(self, sender: str, msg: Any, why: str) -> None:
+        """Refuse a control message: said on stderr, counted in the records."""
+        self.dropped += 1
+        name = type(msg).__name__
+        print(f"{self.cfg.name}: dropped {name} from {sender}: {why}", file=sys.stderr)
+
+    def bad_prompt(self, prompt: tuple[int, ...], output_tokens: int = 1) -> str:
+        """Why a request of `prompt` cannot run on this model ('' if it can)."""
+        vocab = self.spec.vocab
+        if not prompt or output_tokens < 1:
+            return f"a request needs a prompt and an output: got {len(prompt)} and {output_tokens}"
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= vocab:
+            return f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab})"
+        return ""
 
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
 
     # -- the port's parts every role uses (disagg.core.roles.Port)
     def send(self, role: str, node: int, msg: Any) -> None:
-        self.control.send(f"{role}{node}", msg)
+        if not self.hold(f"{role}{node}", msg, outgoing=True):
+            self.control.send(f"{role}{node}", msg)
 
     def wake(self) -> None:
         """Nothing to do: the loop asks its role for a pass every turn."""
@@ -245,6 +348,7 @@ class Server:
         return 0.0 if self.hw.latency.spin else 0.002
 
     def on_dead(self, peer: str) -> None:
+        self.peers_declared_dead += 1
         if peer == "driver":
             print(f"{self.cfg.name}: the driver fell silent; stopping", file=sys.stderr)
             self.running = False

@@ -14,7 +14,7 @@ import torch
 from disagg.core import messenger as m
 from disagg.core.request import Request
 from disagg.core.roles import PrefillRole
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
 from disagg.hw.node import Server, single_gpu_plan
@@ -63,8 +63,14 @@ class PrefillServer(Server):
         self.wire.connect(peer["name"], peer["wire_info"], regions)
 
     def on_message(self, msg: Any) -> None:
+        prompt = msg.prompt if isinstance(msg, Submit | m.PrefillRequest) else ()
+        why = self.bad_prompt(prompt) if prompt else ""
+        if why:  # the decoder fails it (a bad Submit), or cancels it in time (a bad peer)
+            raise ProtocolError(f"request {msg.req_id}: {why}")
         if isinstance(msg, Submit):  # parallel handoff: straight from the driver
             self.mark(msg.req_id, "received")
+            if msg.req_id in self.role.requests:
+                raise ProtocolError(f"request id {msg.req_id} is already in use here")
             self.role.submit(msg.req_id, len(msg.prompt), 0, msg.prompt)
             return
         if isinstance(msg, m.PrefillRequest):

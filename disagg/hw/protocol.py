@@ -89,12 +89,27 @@ class Finished:
     metadata_sum: float = math.nan  # sum of the hidden state handed over (or computed) for MTP
     prefill_node: int = 0
     decode_node: int = 0
+    attempts: int = 0  # handoffs to prefill (retries after a failed transfer add one each)
 
 
 @register
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@register
+@dataclass(frozen=True)
+class Inject:
+    """A fault the driver injects in a server (disagg.faults): `drop_connection` (to `peer`),
+    `nic_down` / `nic_degrade` (to `gbps`) of its wire, or `delay_control` (by `delay_s`), for
+    `for_s`."""
+
+    kind: str
+    peer: str = ""
+    for_s: float = 0.0
+    gbps: float = 0.0
+    delay_s: float = 0.0
 
 
 @register
@@ -126,7 +141,18 @@ class NodeConfig:
     driver: str  # the driver's control endpoint
     bind: str = "tcp://127.0.0.1:*"  # this server's control socket
     return_logits: bool = False
+    # the control plane's shared secret from the driver that spawns this server (None: this
+    # server finds its own, disagg.hw.auth.control_secret); it crosses the spawn, nothing else
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return f"{self.role}{self.index}"
+
+    @property
+    def senders(self) -> set[str]:
+        """Whose control messages this server accepts: the driver's and the other servers'."""
+        cluster = self.experiment["cluster"]
+        roles = ["colocated"] if cluster["mode"] == "colocated" else ["prefill", "decode"]
+        servers = {f"{r}{i}" for r in roles for i in range(cluster[r]["nodes"])}
+        return {"driver"} | servers - {self.name}

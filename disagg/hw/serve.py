@@ -8,6 +8,7 @@ import signal
 from disagg.config import Experiment
 from disagg.errors import DisaggError
 from disagg.hw import latency
+from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
 from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.node import Server
@@ -27,7 +28,15 @@ def serve(cfg: NodeConfig) -> None:
     # one control endpoint, made first: a second one under the same name would be refused by
     # the driver's socket while the first lives, and the reason with it
     hw = Experiment.model_validate(cfg.experiment).hw
-    control = Control(cfg.name, cfg.bind, dead_after_s=hw.dead_after_s)
+    control = Control(
+        cfg.name,
+        cfg.bind,
+        dead_after_s=hw.dead_after_s,
+        allowed=cfg.senders,
+        secret=control_secret(
+            hw, cfg.bind, cfg.driver, given=cfg.secret, base_dir=cfg.experiment.get("base_dir", ".")
+        ),
+    )
     control.connect("driver", cfg.driver)
     if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
         faulthandler.register(signal.SIGUSR1, all_threads=True)

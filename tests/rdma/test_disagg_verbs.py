@@ -43,17 +43,22 @@ def servers_from_a_forkserver(rdma_device: str) -> Iterator[None]:
         yield
 
 
+def groups(mode: str, budget: int) -> dict[str, Any]:
+    """One node of each group the mode runs (a group it does not run is an error)."""
+    if mode == "colocated":
+        return {"colocated": {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8}}
+    return {
+        "prefill": {"nodes": 1, "tp": 1, "token_budget": budget},
+        "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
+    }
+
+
 def experiment(model: str, mode: str, layout: str, budget: int) -> dict[str, Any]:
     return {
         "name": f"{model}-{mode}",
         "seed": 5,
         "model": {"name": model, "weight_dtype": "bf16"},
-        "cluster": {
-            "mode": mode,
-            "colocated": {"nodes": 1, "tp": 1, "token_budget": budget, "max_batch": 8},
-            "prefill": {"nodes": 1, "tp": 1, "token_budget": budget},
-            "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
-        },
+        "cluster": {"mode": mode, **groups(mode, budget)},
         "kv": {"page_size": 4, "layout": layout},
         "workload": {
             "rate_per_s": 50,
