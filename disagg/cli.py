@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -10,10 +11,12 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from disagg.errors import DisaggError
+from disagg.errors import ConfigError, DisaggError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -52,8 +55,14 @@ SUMMARY_ROWS = [
 ]
 
 
+def say(text: str) -> None:
+    """Print `text` as it is, unwrapped: paths, names and error messages may hold [brackets],
+    which rich would read as markup."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
 def fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}", highlight=False)
+    console.print(Text.assemble(("error:", "bold red"), f" {err}"), soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -82,7 +91,7 @@ def summary_table(summaries: dict[str, dict[str, Any]]) -> Table:
     table = Table(show_header=True, header_style="bold")
     table.add_column("metric")
     for name in summaries:
-        table.add_column(name, justify="right")
+        table.add_column(Text(name), justify="right")
     for key, label, scale in SUMMARY_ROWS:
         if any(key in s for s in summaries.values()):
             table.add_row(
@@ -113,11 +122,25 @@ def _progress(counts: str, quiet: bool = False) -> Progress:
     )
 
 
+def check_out_dir(directory: Path, option: str = "--out") -> None:
+    """Raise ConfigError naming `option` and `directory` unless that is a writable directory or
+    can be made in one: checked before a run, not found after it."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if existing == directory and not directory.is_dir():
+        raise ConfigError(f"{option} {directory}: a file, not a directory")
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {directory}: cannot be made, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {directory}: cannot be written ({existing} is read-only)")
+
+
 def run_simulation(
     experiment: Path | None, overrides: list[str] | None, out: Path | None, quiet: bool = False
 ) -> tuple[Path, dict[str, Any]]:
     """Simulate one experiment, write its tables, return (directory, summary)."""
-    from disagg.config import load_experiment
+    from disagg.config import check_context, load_experiment
     from disagg.core.metrics import (
         requests_table,
         steps_table,
@@ -129,12 +152,14 @@ def run_simulation(
 
     exp = load_experiment(experiment, overrides)
     out = out or Path("runs") / exp.name
+    check_out_dir(out)
     start = time.perf_counter()
     sim = Sim(exp)
+    check_context(exp, sim.arrivals)
     with _progress(
         "{task.completed}/{task.total} requests, {task.fields[t]:.0f} s simulated", quiet
     ) as bar:
-        task = bar.add_task(exp.name, total=len(sim.arrivals), t=0.0, visible=False)
+        task = bar.add_task(escape(exp.name), total=len(sim.arrivals), t=0.0, visible=False)
 
         def progress(done: int, total: int, now_s: float) -> None:
             visible = time.perf_counter() - start > 2.0  # only runs longer than a moment
@@ -148,7 +173,7 @@ def run_simulation(
         transfers_table(sim.rec),
     )
     summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
-    summary |= sim.network_summary()
+    summary |= sim.network_summary() | sim.fault_summary()
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
@@ -169,25 +194,30 @@ def sim_run(
     set_: Overrides = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or table")] = False,
 ) -> None:
-    """Simulate an experiment; print its summary and write requests/steps/transfers tables."""
+    """Simulate an experiment; print its summary and write requests/steps/transfers tables.
+    Exits with 1 if any request failed (the tables are written first)."""
     out_dir, summary = run_simulation(experiment, set_, out, quiet)
     if not quiet:
         console.print(summary_table({summary["experiment"]: summary}))
-    report_failures(out_dir)
-    console.print(f"results in {out_dir}/ (requests, steps, transfers .parquet; summary.json)")
+    failed = report_failures(out_dir)
+    say(f"results in {out_dir}/ (requests, steps, transfers .parquet; summary.json)")
+    if failed:
+        raise typer.Exit(1)
 
 
-def report_failures(run_dir: Path) -> None:
-    """Say how many requests failed and why (the most common reasons), if any did."""
+def report_failures(run_dir: Path) -> int:
+    """Say how many requests failed and why (the most common reasons), if any did; return how
+    many failed."""
     import pandas as pd
 
     req = pd.read_parquet(run_dir / "requests.parquet", columns=["status", "fail_reason"])
     failed = req[req.status == "failed"]
     if failed.empty:
-        return
+        return 0
     console.print(f"[bold yellow]{len(failed)} of {len(req)} requests failed[/]; reasons:")
     for reason, n in failed.fail_reason.value_counts().head(3).items():
-        console.print(f"  {n} x {reason}", highlight=False)
+        say(f"  {n} x {reason}")
+    return len(failed)
 
 
 @sim_app.command("compare")
@@ -212,13 +242,15 @@ def sim_sweep(
     ),
     set_: Overrides = None,
 ) -> None:
-    """Run experiments over a range of one setting (load, by default): one table, one plot."""
+    """Run experiments over a range of one setting (load, by default): one table, one plot.
+    Every point is validated before the first runs."""
     import pandas as pd
 
     from disagg.plots import plot_sweep
 
+    points = _sweep_points(experiments, param, values, set_ or [])
+    check_out_dir(out)
     rows = []
-    points = [v.strip() for v in values.split(",") if v.strip()]
     for exp_path in experiments:
         for v in points:
             run_dir = out / f"{exp_path.stem}-{param.rsplit('.', 1)[-1]}-{v}"
@@ -226,15 +258,31 @@ def sim_sweep(
                 exp_path, [*(set_ or []), f"{param}={v}"], run_dir, quiet=True
             )
             rows.append({"experiment": exp_path.stem, param: _number_or_text(v), **summary})
-            console.print(
+            say(
                 f"{exp_path.stem} {param}={v}: TTFT p50 "
                 f"{summary['ttft_s_p50'] * 1e3:.0f} ms, TPOT p50 "
-                f"{summary['tpot_s_p50'] * 1e3:.1f} ms",
-                highlight=False,
+                f"{summary['tpot_s_p50'] * 1e3:.1f} ms"
             )
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
-    console.print(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
+    say(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
+
+
+def _sweep_points(experiments: list[Path], param: str, values: str, sets: list[str]) -> list[str]:
+    """The values of `--values`, each checked against every experiment (the experiment with
+    `param=value` must validate): a bad value is an error before any point runs."""
+    from disagg.config import load_experiment
+
+    points = [v.strip() for v in values.split(",") if v.strip()]
+    if not points:
+        raise ConfigError(f"--values {values!r}: no values to sweep {param} over (e.g. 3,6,9)")
+    for exp_path in experiments:
+        for v in points:
+            try:
+                load_experiment(exp_path, [*sets, f"{param}={v}"])
+            except ConfigError as e:
+                raise ConfigError(f"--values: {v!r} is not a valid {param}: {e}") from None
+    return points
 
 
 def _number_or_text(value: str) -> float | str:
@@ -251,8 +299,6 @@ def _hw_missing() -> None:
         import torch  # noqa: F401
         import zmq  # noqa: F401
     except ImportError as e:
-        from disagg.errors import ConfigError
-
         raise ConfigError(
             f"the hw backend needs torch and pyzmq: pip install -e '.[hw]' ({e})"
         ) from None
@@ -314,7 +360,8 @@ def hw_run(
     Every flag sets a field of the experiment's [hw] (or [kv]) table, recorded in the run's
     experiment.json."""
     _hw_missing()
-    from disagg.config import load_experiment
+    from disagg.config import check_context, load_experiment
+    from disagg.core.workload import generate
     from disagg.hw.driver import run_hw
 
     flags = _flag_overrides(
@@ -328,10 +375,12 @@ def hw_run(
     )
     exp = load_experiment(experiment, [*(set_ or []), *flags])
     out = out or Path("runs") / f"hw-{exp.name}"
+    check_out_dir(out)
+    check_context(exp, generate(exp.workload, exp.seed, Path(exp.base_dir)))
     with _progress("{task.completed}/{task.total} requests") as bar:
-        task = bar.add_task(f"{exp.name} (hw, {exp.hw.wire})", total=None)
+        task = bar.add_task(escape(f"{exp.name} (hw, {exp.hw.wire})"), total=None)
         if external:
-            console.print(
+            say(
                 f"waiting for {', '.join(external)}: start them with disagg hw serve "
                 "--driver <this driver's endpoint> (printed below)"
             )
@@ -345,7 +394,10 @@ def hw_run(
             console.print("interrupted: servers stopped")
             raise typer.Exit(130) from None
     console.print(summary_table({f"{exp.name} (hw)": summary}))
-    console.print(f"results in {out}/")
+    failed = report_failures(out)
+    say(f"results in {out}/")
+    if failed:
+        raise typer.Exit(1)
 
 
 @hw_app.command("serve")
@@ -374,8 +426,6 @@ def hw_serve(
     from disagg.hw.serve import serve
 
     if role not in ("prefill", "decode", "colocated"):
-        from disagg.errors import ConfigError
-
         raise ConfigError(f"--role {role!r}: use prefill, decode or colocated")
     side = "prefill" if role == "prefill" else "decode"
     flags = _flag_overrides(
@@ -405,22 +455,33 @@ def hw_profile(
     attention = attention or "auto"
     parse_attention(attention)
     spec = get_model(model)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give the CSV file to write")
+    check_out_dir(out.parent)
     df = profile(spec, layers or spec.layers, device=device, attention=attention)
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
-    console.print(f"wrote {len(df)} rows to {out}")
+    say(f"wrote {len(df)} rows to {out}")
 
 
 @app.command("plot")
 @guarded
 def plot(
     runs: Annotated[list[Path], typer.Argument(help="Result directories")],
-    out: Annotated[Path, typer.Option(help="PNG file to write")] = Path("runs/plot.png"),
+    out: Annotated[
+        Path,
+        typer.Option(help="Figure to write (.png, .pdf, .svg, ...), or a directory: DIR/plot.png"),
+    ] = Path("runs/plot.png"),
 ) -> None:
     """TTFT and TPOT CDFs of the runs, and per-node forward-pass timelines."""
-    from disagg.plots import plot_runs
+    from disagg.plots import figure_path, plot_runs
 
-    console.print(f"wrote {plot_runs(runs, out)}")
+    try:
+        path = figure_path(out)
+    except ConfigError as e:
+        raise ConfigError(f"--out: {e}") from None
+    check_out_dir(path.parent)
+    say(f"wrote {plot_runs(runs, path)}")
 
 
 def main() -> None:  # pragma: no cover - console script entry

@@ -10,8 +10,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.backend_bases import FigureCanvasBase
 
 from disagg.core.metrics import read_results
+from disagg.errors import ConfigError
 
 
 def _cdf(ax: plt.Axes, values: pd.Series, label: str) -> None:
@@ -34,8 +36,27 @@ def _timeline(ax: plt.Axes, steps: pd.DataFrame, title: str, max_nodes: int = 4)
     ax.legend(fontsize=7, markerscale=3)
 
 
+def figure_path(out: Path, name: str = "plot.png") -> Path:
+    """The file a figure asked for at `out` is written to: DIR/`name` for an existing
+    directory, `out` with .png added when it has no extension (as matplotlib saves it), else
+    `out`, whose extension must be a format matplotlib writes (png, pdf, svg, ...)."""
+    if out.is_dir():
+        return out / name
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise ConfigError(
+            f"figure {out}: {out.suffix!r} is not a format matplotlib writes "
+            f"(use one of {', '.join(sorted(formats))})"
+        )
+    return out
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
-    """TTFT and TPOT CDFs of every run, and one step timeline per run, into one PNG."""
+    """TTFT and TPOT CDFs of every run, and one step timeline per run, into one figure; returns
+    the file written (`figure_path(out)`: DIR/plot.png for a directory)."""
+    out = figure_path(out)
     runs = [(d, *read_results(d)) for d in run_dirs]
     fig = plt.figure(figsize=(11, 4 + 2.6 * len(runs)))
     grid = fig.add_gridspec(1 + len(runs), 2)

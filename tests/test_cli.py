@@ -1,6 +1,7 @@
 """The command line, run as a user would: real files out, clear errors, exit codes."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,8 +157,10 @@ def test_failed_requests_are_reported_with_their_reason(tmp_path: Path) -> None:
         "--set", "kv.memory_fraction=0.3", "--set", "kv.activation_reserve_gb=7.5",
         "--set", "workload.prompt_tokens.low=9000", "--set", "workload.prompt_tokens.high=9000",
     ])  # fmt: skip
-    assert res.exit_code == 0, res.output
-    assert "requests failed" in res.output and "KV pages on decode node" in res.output
+    assert res.exit_code == 1, res.output  # a run with failed requests is not a success
+    assert "12 of 12 requests failed" in res.output and "KV pages on decode node" in res.output
+    assert "results in" in res.output and res.exception is not None  # SystemExit, no traceback
+    assert (pd.read_parquet(tmp_path / "f" / "requests.parquet").status == "failed").all()
 
 
 def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
@@ -182,3 +185,143 @@ def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     rates = pd.read_csv(tmp_path / "r" / "sweep.csv", dtype=str)["workload.rate_per_s"]
     assert rates.tolist() == ["1.0", "2.0"]  # written as numbers, not the text given
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`disagg ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "disagg.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_error_text_is_printed_as_it_is_not_as_markup() -> None:
+    for name in ("[/bold]", "x[hw]", "[red]x"):
+        proc = cli("sim", "run", "--set", f"model.name={name}")
+        assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
+        assert f"error: <built-in> with --set model.name={name}: invalid experiment" in proc.stdout
+        assert f"unknown model {name!r}" in proc.stdout
+        assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_the_hw_install_hint_keeps_its_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # `import zmq` raises ImportError
+    res = runner.invoke(app, ["hw", "run"])
+    assert res.exit_code == 2, res.output
+    assert "pip install -e '.[hw]'" in res.output and "Traceback" not in res.output
+
+
+def _no_simulation(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the simulation started")
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_any_simulation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    monkeypatch.setattr("disagg.sim.cluster.Sim", _no_simulation)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    tiny = str(EXPERIMENTS / "tiny-disagg.toml")
+    for out, message in (
+        (a_file, f"error: --out {a_file}: a file, not a directory"),
+        (a_file / "run", f"error: --out {a_file / 'run'}: cannot be made, {a_file} is a file"),
+    ):
+        res = runner.invoke(app, ["sim", command, tiny, "--out", str(out)])
+        assert res.exit_code == 2, res.output
+        assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_an_out_in_a_read_only_directory_is_refused(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    res = runner.invoke(app, ["sim", "run", "--out", str(ro / "run")])
+    assert res.exit_code == 2 and f"--out {ro / 'run'}: cannot be written" in res.output
+
+
+def test_sweep_values_are_all_checked_before_the_first_point_runs(tmp_path: Path) -> None:
+    sweep = ["sim", "sweep", str(EXPERIMENTS / "tiny-disagg.toml"), "--out", str(tmp_path / "s")]
+    for values, message in (
+        ("", "error: --values '': no values to sweep workload.rate_per_s over"),
+        (" , ", "error: --values ' , ': no values to sweep workload.rate_per_s over"),
+        ("1,abc", "error: --values: 'abc' is not a valid workload.rate_per_s: "),
+        ("1,-2", "error: --values: '-2' is not a valid workload.rate_per_s: "),
+    ):
+        proc = cli(*sweep, "--values", values)
+        assert proc.returncode == 2, (values, proc.stdout, proc.stderr)
+        assert message in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+        assert not (tmp_path / "s").exists()  # not one point ran
+    proc = cli(*sweep, "--param", "transfer.handoff", "--values", "parallel,sideways")
+    assert proc.returncode == 2 and "'sideways' is not a valid transfer.handoff" in proc.stdout
+    assert "transfer.handoff: Input should be 'decode-first' or 'parallel'" in proc.stdout
+
+
+def test_plot_reports_the_file_it_wrote(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    tiny = ["sim", "run", str(EXPERIMENTS / "tiny-disagg.toml"), "--quiet", "--out", str(run)]
+    assert runner.invoke(app, tiny).exit_code == 0
+    figures = tmp_path / "figs"
+    figures.mkdir()
+    for out, written in (
+        (figures, figures / "plot.png"),  # a directory: DIR/plot.png
+        (tmp_path / "cdf", tmp_path / "cdf.png"),  # no extension: .png, as matplotlib adds it
+        (tmp_path / "new" / "p.svg", tmp_path / "new" / "p.svg"),
+    ):
+        res = runner.invoke(app, ["plot", str(run), "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert res.output.strip() == f"wrote {written}" and written.stat().st_size > 10_000
+    res = runner.invoke(app, ["plot", str(run), "--out", str(tmp_path / "p.xyz")])
+    assert res.exit_code == 2 and "error: --out: figure" in res.output
+    assert "'.xyz' is not a format matplotlib writes (use one of" in res.output
+
+
+def test_a_request_longer_than_the_model_context_is_an_error_before_the_run(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "long.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 10}\n'
+        '{"timestamp": 5, "input_length": 1000000, "output_length": 10}\n'
+    )
+    exp = tmp_path / "e.toml"
+    exp.write_text('[model]\nname = "llama-3.1-8b"\n[workload]\ntrace = "long.jsonl"\n')
+    proc = cli("sim", "run", str(exp), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert (
+        "error: workload.trace='long.jsonl': request 1 (1 of 2 too long): 1,000,000 prompt + 10 "
+        "output = 1,000,010 tokens exceed llama-3.1-8b's context of 131,072 tokens"
+    ) in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+    proc = cli(
+        "sim",
+        "run",
+        "--set",
+        "model.name=llama-3.1-8b",
+        "--set",
+        "workload.prompt_tokens={dist='fixed', value=1000000}",
+    )
+    assert proc.returncode == 2 and "workload.prompt_tokens.value=1000000 + " in proc.stdout
+
+
+def test_hw_run_exits_1_when_a_request_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's side of a hardware run (the run itself faked): tables first, then the failures
+    and exit code 1."""
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    import disagg.hw.driver
+
+    def fake_run_hw(exp: object, out: Path, *args: object, **kwargs: object) -> tuple:
+        out.mkdir(parents=True)
+        pd.DataFrame(
+            {"status": ["finished", "failed"], "fail_reason": [None, "decoder died"]}
+        ).to_parquet(out / "requests.parquet")
+        return {"completed": 1, "failed": 1}, None
+
+    monkeypatch.setattr(disagg.hw.driver, "run_hw", fake_run_hw)
+    res = runner.invoke(
+        app, ["hw", "run", str(EXPERIMENTS / "tiny-disagg.toml"), "--out", str(tmp_path / "hw")]
+    )
+    assert res.exit_code == 1, res.output
+    assert "1 of 2 requests failed" in res.output and "1 x decoder died" in res.output
