@@ -6,7 +6,8 @@ normalised latent (kv_lora_rank) and the roped key (qk_rope_dim) of each token. 
 computed in the absorbed form for prefill and decode alike: q_nope is multiplied by W_UK so
 scores are taken against the latent, and W_UV is applied to the attended latent afterwards
 (FlashInfer's MLA kernel computes exactly this). The MLP is a dense SwiGLU of width
-`intermediate` on every layer (MoE routing is left out: it changes FLOPs, not the KV protocol).
+`intermediate`, except on an MoE model's layers past its `dense_layers`: there it is routed
+experts plus shared ones (disagg.hw.moe).
 
 Weights are uniform with std 1/sqrt(fan_in) (output projections further / sqrt(2 layers)), so
 activations stay O(1) over any depth; norms are ones. They are drawn on the CPU in fixed chunks,
@@ -32,6 +33,7 @@ from disagg.hw.attention import Attention, AttnShape, TorchAttention
 from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import check_fits, default_dtype, resolve_device
+from disagg.hw.moe import MoE
 from disagg.models import ModelSpec
 
 ROPE_THETA = 500_000.0
@@ -190,6 +192,7 @@ class Transformer:
         w = WeightMaker(seed, self.device, self.dtype)
         h = spec.hidden
         self.embed = w.uniform("embed", (spec.vocab, h), 1.0)
+        self.moes: dict[int, MoE] = {}  # layer -> its experts (MoE layers only)
         self.layers = [self._make_layer(w, i) for i in range(spec.layers)]
         self.final_norm = w.ones(h)
         self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5)
@@ -215,25 +218,41 @@ class Transformer:
             shapes["w_q"] = (s.heads * qk, s.hidden)
         return shapes
 
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each layer weight's shape (GEMM weights are (out, in))."""
+    def is_moe_layer(self, i: int) -> bool:
+        return self.spec.is_moe and i >= self.spec.dense_layers
+
+    def layer_shapes(self, i: int = 0) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape of layer `i` (GEMM weights are (out, in); an MoE layer's
+        experts are `moe.*`)."""
         s = self.spec
-        mlp = {"w_gate_up": (2 * s.intermediate, s.hidden), "w_down": (s.hidden, s.intermediate)}
+        if self.is_moe_layer(i):
+            mlp = {f"moe.{k}": v for k, v in MoE.shapes(s).items()}
+        else:
+            mlp = {
+                "w_gate_up": (2 * s.intermediate, s.hidden),
+                "w_down": (s.hidden, s.intermediate),
+            }
         return self._attn_shapes() | mlp
 
     def weight_bytes(self) -> int:
         """Bytes of every weight this model allocates (norms excluded)."""
-        per_layer = sum(math.prod(v) for v in self.layer_shapes().values())
-        total = self.spec.layers * per_layer + 2 * self.spec.vocab * self.spec.hidden
+        layers = sum(
+            math.prod(v) for i in range(self.spec.layers) for v in self.layer_shapes(i).values()
+        )
+        total = layers + 2 * self.spec.vocab * self.spec.hidden
         return total * torch.empty((), dtype=self.dtype).element_size()
 
     def _make_layer(self, w: WeightMaker, i: int) -> dict[str, torch.Tensor]:
         s = self.spec
         out_scale = (2 * s.layers) ** -0.5
         layer = {"ln1": w.ones(s.hidden), "ln2": w.ones(s.hidden)}
-        for name, shape in self.layer_shapes().items():
+        for name, shape in self.layer_shapes(i).items():
+            if name.startswith("moe."):
+                continue
             std = shape[-1] ** -0.5 * (out_scale if name in ("wo", "w_down") else 1.0)
             layer[name] = w.uniform(f"layer{i}.{name}", shape, std)
+        if self.is_moe_layer(i):
+            self.moes[i] = MoE(s, w, f"layer{i}.moe", out_scale)
         if self.mla:
             layer["kv_norm"] = w.ones(s.kv_lora_rank)
             if s.q_lora_rank:
@@ -281,8 +300,12 @@ class Transformer:
             h = torch.addmm(h, o, layer["wo"].t())  # residual add in the GEMM's epilogue
             if on_layer is not None:
                 on_layer()
-            gate_up = F.linear(ops.norm(h, layer["ln2"]), layer["w_gate_up"])
-            h = torch.addmm(h, ops.silu_mul(gate_up), layer["w_down"].t())
+            m = ops.norm(h, layer["ln2"])
+            if i in self.moes:
+                h = h + self.moes[i](m)
+            else:
+                gate_up = F.linear(m, layer["w_gate_up"])
+                h = torch.addmm(h, ops.silu_mul(gate_up), layer["w_down"].t())
         last = ops.norm(h[x.last_rows], self.final_norm)
         return ForwardOut(F.linear(last, self.lm_head).float(), h[x.hidden_rows])
 

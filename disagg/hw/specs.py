@@ -24,6 +24,34 @@ def tiny_mla(layers: int = 2) -> ModelSpec:
     return replace(TINY_MLA, layers=layers)
 
 
+def tiny_moe(layers: int = 2) -> ModelSpec:
+    """tiny-gqa with Qwen3-MoE's kind of MLP: 8 routed experts of width 32, 2 per token
+    (softmax routing), no shared expert, on every layer."""
+    return replace(
+        TINY_GQA,
+        name="tiny-moe",
+        layers=layers,
+        experts=8,
+        experts_per_token=2,
+        moe_intermediate=32,
+    )
+
+
+def tiny_mla_moe(layers: int = 3) -> ModelSpec:
+    """tiny-mla with DeepSeek-V3's kind of MLP: a first dense layer, then 16 routed experts in
+    8 groups (grouped routing: 4 groups kept, 4 experts per token) and one shared expert."""
+    return replace(
+        TINY_MLA,
+        name="tiny-mla-moe",
+        layers=layers,
+        experts=16,
+        experts_per_token=4,
+        shared_experts=1,
+        moe_intermediate=32,
+        dense_layers=1,
+    )
+
+
 def small_gqa(layers: int = 2) -> ModelSpec:
     """GQA with Llama's head size 128 and group size 4: 8 query heads, 2 KV heads."""
     return replace(

@@ -1,0 +1,130 @@
+"""MoE layers of the real backend: routing against hand-computed cases, the torch experts
+against a per-token loop, and an MoE model's chunking and batching invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
+
+import torch
+
+from disagg.hw.batch import Seq
+from disagg.hw.model import Transformer
+from disagg.hw.moe import Routing, experts_reference, route, routing_for, swiglu
+from disagg.hw.specs import tiny_mla_moe, tiny_moe
+from disagg.models import DEEPSEEK_V3, QWEN3_CODER_480B
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_each_family_routes_as_its_model_does() -> None:
+    assert routing_for(DEEPSEEK_V3) == Routing("grouped", 8, 8, 4, 2.5)
+    assert routing_for(QWEN3_CODER_480B) == Routing("softmax", 8)
+    assert routing_for(tiny_mla_moe()).kind == "grouped"
+    assert routing_for(tiny_moe()) == Routing("softmax", 2)
+
+
+def test_softmax_routing_renormalises_the_top_k() -> None:
+    # softmax of log(1..4) is (1, 2, 3, 4) / 10: the top two, 4 and 3, renormalised
+    logits = torch.tensor([[0.0, math.log(2), math.log(3), math.log(4)]])
+    weights, ids = route(logits, Routing("softmax", 2))
+    assert ids.tolist() == [[3, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[4 / 7, 3 / 7]]))
+
+
+def test_grouped_routing_keeps_the_best_groups_and_weighs_scores_without_bias() -> None:
+    # 8 experts in 4 groups of 2; sigmoid scores chosen directly
+    p = [0.9, 0.1, 0.6, 0.5, 0.8, 0.05, 0.3, 0.3]
+    logits = torch.tensor([[logit(x) for x in p]])
+    routing = Routing("grouped", top_k=2, groups=4, topk_groups=2, scale=2.5)
+    # group scores (sum of both): 1.0, 1.1, 0.85, 0.6 -> groups 1 and 0; best experts 0, 2
+    weights, ids = route(logits, routing)
+    assert ids.tolist() == [[0, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.9 / 1.5 * 2.5, 0.6 / 1.5 * 2.5]]))
+    # a bias on expert 4 lifts group 2 above group 0 and expert 4 above 0: chosen, but its
+    # weight is its score without the bias
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
+    weights, ids = route(logits, routing, bias)
+    assert ids.tolist() == [[4, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.8 / 1.4 * 2.5, 0.6 / 1.4 * 2.5]]))
+
+
+def experts_by_loop(x, weights, ids, w13, w2):  # type: ignore[no-untyped-def]
+    """The definition, one token and one chosen expert at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            out[t] += weights[t, j] * swiglu(x[t : t + 1], w13[e], w2[e])[0]
+    return out
+
+
+def random_experts(t: int, e: int, k: int, h: int, i: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    logits = torch.randn(t, e, generator=g)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    weights, ids = route(logits, Routing("softmax", k))
+    return x, weights, ids, w13, w2
+
+
+def test_the_torch_experts_equal_the_per_token_definition() -> None:
+    args = random_experts(t=13, e=6, k=3, h=16, i=8)
+    torch.testing.assert_close(experts_reference(*args), experts_by_loop(*args))
+
+
+def test_experts_that_receive_no_token_are_skipped() -> None:
+    x, weights, _, w13, w2 = random_experts(t=4, e=6, k=2, h=16, i=8)
+    ids = torch.tensor([[5, 1]] * 4, dtype=torch.int32)  # experts 0, 2, 3, 4 idle
+    torch.testing.assert_close(
+        experts_reference(x, weights, ids, w13, w2), experts_by_loop(x, weights, ids, w13, w2)
+    )
+
+
+@pytest.mark.parametrize("spec", [tiny_moe(), tiny_mla_moe()], ids=["gqa-moe", "mla-moe"])
+def test_an_moe_model_prefills_in_chunks_as_in_one_shot(spec) -> None:  # type: ignore[no-untyped-def]
+    m = Transformer(spec, seed=1)
+    assert sorted(m.moes) == list(range(spec.dense_layers, spec.layers))
+    pages = [7, 1, 4]
+    whole = m.forward([Seq.of(PROMPT, 0, pages, hidden_at=-1)], m.new_cache(8, 4))
+    cache = m.new_cache(8, 4)
+    m.forward([Seq.of(PROMPT[:5], 0, pages)], cache)
+    last = m.forward([Seq.of(PROMPT[5:], 5, pages)], cache)
+    torch.testing.assert_close(last.logits, whole.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_an_moe_batch_equals_its_sequences_run_alone() -> None:
+    m = Transformer(tiny_mla_moe(), seed=2)
+    a, b = Seq.of(PROMPT, 0, [0, 1, 2]), Seq.of(PROMPT[:6][::-1], 0, [3, 4])
+    both = m.forward([a, b], m.new_cache(6, 4))
+    alone = [m.forward([s], m.new_cache(6, 4)).logits[0] for s in (a, b)]
+    torch.testing.assert_close(both.logits, torch.stack(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_the_experts_change_the_output() -> None:
+    """The routed experts are on the path: other expert weights, other logits."""
+    spec = tiny_moe()
+    a, b = Transformer(spec, seed=3), Transformer(spec, seed=3)
+    b.moes[1].w2 = b.moes[1].w2 * 2
+    seq = [Seq.of(PROMPT, 0, [0, 1, 2])]
+    la = a.forward(seq, a.new_cache(4, 4)).logits
+    lb = b.forward(seq, b.new_cache(4, 4)).logits
+    assert not torch.allclose(la, lb, atol=1e-4)
+
+
+def test_weight_bytes_count_the_experts() -> None:
+    m = Transformer(tiny_mla_moe(), seed=0)
+    dense = [w for layer in m.layers for n, w in layer.items() if n[0] == "w"]
+    experts = [
+        t for moe in m.moes.values() for t in (moe.router, moe.w13, moe.w2, *(moe.shared or ()))
+    ]
+    tensors = [m.embed, m.lm_head, *dense, *experts]
+    assert m.weight_bytes() == sum(t.numel() * 4 for t in tensors)
