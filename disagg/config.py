@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from disagg import faults
 from disagg.core.policies import LeastLoadedConfig, RouterConfig, SchedulerConfig, scheduler_for
 from disagg.core.workload import Arrival, LengthDist, WorkloadConfig
 from disagg.errors import ConfigError
 from disagg.faults import Fault
-from disagg.hardware import GPU, NIC, Node, get_gpu, get_nic
+from disagg.hardware import GPU, NIC, Node, from_table, get_gpu, get_nic
+from disagg.hf_config import default_name, read_hf_config
 from disagg.models import ModelSpec, get_model
 from disagg.settings import HwConfig, environment_overrides
 
@@ -32,40 +41,67 @@ class _Frozen(BaseModel):
 
 
 class ModelConfig(_Frozen):
+    """A catalogue model by `name`, or the Hugging Face config.json at `config` (a path; the
+    experiment resolves a relative one from its base_dir), which `name` then labels (default:
+    the file's directory): disagg.hf_config reads it."""
+
+    config: str | None = None
     name: str = "deepseek-r1"
     weight_dtype: Literal["bf16", "fp8"] = "fp8"
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     layers: int | None = Field(default=None, ge=1)  # cut the depth (hardware runs)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_of_config(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("config"), str) and "name" not in data:
+            return {**data, "name": default_name(data["config"])}
+        return data
+
+    @field_validator("config")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None:
+            read_hf_config(v)
+        return v
+
     @field_validator("name")
     @classmethod
-    def _known(cls, v: str) -> str:
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        if "config" not in info.data or info.data["config"] is not None:
+            return v  # a label of the config.json (or the file failed: its error says why)
+        if v.endswith(".json"):
+            raise ValueError(f"{v!r} is a file: give a Hugging Face config.json as model.config")
         get_model(v)
         return v
 
     @property
     def spec(self) -> ModelSpec:
-        spec = get_model(self.name)
+        if self.config is None:
+            spec = get_model(self.name)
+        else:
+            spec = read_hf_config(self.config, self.name)
         return spec.with_layers(self.layers) if self.layers else spec
 
 
 class HardwareConfig(_Frozen):
-    gpu: str = "H200-SXM"
-    nic: str = "ConnectX-7"
+    """`gpu` and `nic` name catalogue entries, or are tables of every field of a custom one
+    (disagg.hardware.from_table); a run's experiment.json records the table, so it replays."""
+
+    gpu: str | GPU = "H200-SXM"
+    nic: str | NIC = "ConnectX-7"
     gpus_per_node: int = Field(default=8, ge=1)
     nics_per_node: int = Field(default=8, ge=1)
 
-    @field_validator("gpu")
+    @field_validator("gpu", mode="before")
     @classmethod
-    def _gpu(cls, v: str) -> str:
-        get_gpu(v)
-        return v
+    def _gpu(cls, v: Any) -> Any:
+        return _hardware_entry(GPU, get_gpu, v)
 
-    @field_validator("nic")
+    @field_validator("nic", mode="before")
     @classmethod
-    def _nic(cls, v: str) -> str:
-        get_nic(v)
-        return v
+    def _nic(cls, v: Any) -> Any:
+        return _hardware_entry(NIC, get_nic, v)
 
     @property
     def node(self) -> Node:
@@ -73,11 +109,23 @@ class HardwareConfig(_Frozen):
 
     @property
     def gpu_spec(self) -> GPU:
-        return get_gpu(self.gpu)
+        return get_gpu(self.gpu) if isinstance(self.gpu, str) else self.gpu
 
     @property
     def nic_spec(self) -> NIC:
-        return get_nic(self.nic)
+        return get_nic(self.nic) if isinstance(self.nic, str) else self.nic
+
+
+def _hardware_entry(kind: type[Any], lookup: Callable[[str], Any], v: Any) -> Any:
+    """A catalogue name (checked), a custom entry from a table, or an entry as it is."""
+    if isinstance(v, str):
+        lookup(v)
+        return v
+    if isinstance(v, dict):
+        return from_table(kind, v)
+    if isinstance(v, kind):
+        return v
+    raise ValueError(f"give a catalogue {kind.__name__} name or a table of its fields, not {v!r}")
 
 
 class GroupConfig(_Frozen):
@@ -221,6 +269,20 @@ class Experiment(_Frozen):
     hw: HwConfig = HwConfig()  # how `disagg hw run` runs it (the simulator ignores it)
     faults: tuple[Fault, ...] = ()  # injected in both backends (disagg.faults)
     base_dir: str = "."  # where relative paths (traces, profiles) resolve; set by the loader
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_config_path(cls, data: Any) -> Any:
+        """A relative model.config resolves from base_dir (the experiment file's directory);
+        the experiment records it absolute, so a run's experiment.json replays anywhere."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, dict):
+            return data
+        path = model.get("config")
+        if not isinstance(path, str) or Path(path).is_absolute():
+            return data
+        full = (Path(str(data.get("base_dir", "."))) / path).resolve()
+        return {**data, "model": {**model, "config": str(full)}}
 
     def updated(self, *overrides: str) -> Experiment:
         """This experiment with `key.path=value` overrides applied (as `--set` applies them)."""

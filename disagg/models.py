@@ -32,7 +32,7 @@ class ModelSpec:
     MoE layers hold `experts` routed experts of width `moe_intermediate`, `experts_per_token` of
     them active, plus `shared_experts` always-active ones; the first `dense_layers` layers use a
     dense MLP of width `intermediate`. `max_context` is the most tokens (prompt + output) one
-    request may hold; None: unknown, not checked.
+    request may hold; None: unknown, not checked. Biases and norms are not counted.
     """
 
     name: str
@@ -59,6 +59,7 @@ class ModelSpec:
     # multi-token prediction modules (DeepSeek-V3's MTP)
     mtp_layers: int = 0
     max_context: int | None = None  # tokens of prompt + output per request
+    tied_embeddings: bool = False  # the LM head shares the input embedding's weights
 
     # ---- structure -------------------------------------------------------------------
     @property
@@ -122,8 +123,8 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        """Input embedding plus the untied LM head."""
-        return 2 * self.vocab * self.hidden
+        """Input embedding plus the LM head (one matrix when they are tied)."""
+        return (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
 
     @property
     def params(self) -> int:
@@ -265,6 +266,34 @@ DEEPSEEK_V3 = ModelSpec(
 )
 
 
+# Llama 2 and Llama 3: the shapes and max_position_embeddings of each model's config.json on
+# Hugging Face (meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-70b-hf, meta-llama/Meta-Llama-3-8B);
+# the Llama 2 paper (Touvron et al. 2023, table 1) gives the same 4k context and GQA for 70B only
+LLAMA_2_7B = ModelSpec(
+    name="llama-2-7b",
+    hidden=4096,
+    layers=32,
+    heads=32,
+    kv_heads=32,  # multi-head attention: one KV head per query head
+    head_dim=128,
+    vocab=32000,
+    intermediate=11008,
+    max_context=4096,
+)
+LLAMA_2_70B = ModelSpec(
+    name="llama-2-70b",
+    hidden=8192,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab=32000,
+    intermediate=28672,
+    max_context=4096,
+)
+LLAMA_3_8B = replace(LLAMA_31_8B, name="llama-3-8b", max_context=8192)  # 8k; 3.1 went to 128k
+
+
 def dense(spec: ModelSpec) -> ModelSpec:
     """`spec` without MoE layers or MTP modules (the real backend runs a dense MLP)."""
     return replace(
@@ -311,7 +340,17 @@ TINY_MLA = replace(
 
 MODELS: dict[str, ModelSpec] = {
     m.name: m
-    for m in (LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, DEEPSEEK_V3, TINY_GQA, TINY_MLA)
+    for m in (
+        LLAMA_2_7B,
+        LLAMA_2_70B,
+        LLAMA_3_8B,
+        LLAMA_31_8B,
+        LLAMA_31_70B,
+        QWEN3_CODER_480B,
+        DEEPSEEK_V3,
+        TINY_GQA,
+        TINY_MLA,
+    )
 }
 MODELS["deepseek-r1"] = replace(DEEPSEEK_V3, name="deepseek-r1")  # same architecture
 

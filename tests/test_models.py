@@ -4,7 +4,16 @@ import pytest
 
 from disagg.errors import ConfigError
 from disagg.hardware import CONNECTX_7, H100_SXM, H200_SXM, Node, get_gpu, get_nic
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, QWEN3_CODER_480B, get_model
+from disagg.models import (
+    DEEPSEEK_V3,
+    LLAMA_2_7B,
+    LLAMA_2_70B,
+    LLAMA_3_8B,
+    LLAMA_31_8B,
+    LLAMA_31_70B,
+    QWEN3_CODER_480B,
+    get_model,
+)
 
 
 def test_llama_8b_kv_bytes_per_token() -> None:
@@ -96,6 +105,9 @@ def test_every_model_has_its_published_context_and_checks_requests_against_it() 
 
     contexts = {name: spec.max_context for name, spec in MODELS.items()}
     assert contexts == {
+        "llama-2-7b": 4096,
+        "llama-2-70b": 4096,
+        "llama-3-8b": 8192,
         "llama-3.1-8b": 131072,
         "llama-3.1-70b": 131072,
         "qwen3-coder-480b-a35b": 262144,
@@ -111,3 +123,37 @@ def test_every_model_has_its_published_context_and_checks_requests_against_it() 
         "request 0 = 131,073 tokens exceed llama-3.1-8b's context of 131,072 tokens"
     )
     assert LLAMA_31_8B.with_layers(2).max_context == 131072  # a cut model keeps its context
+
+
+def test_llama_2_7b_is_multi_head_and_6_74b() -> None:
+    m = LLAMA_2_7B
+    attn = 4 * 4096 * 4096  # q, k, v, o: 32 KV heads of 128 = the hidden size
+    mlp = 3 * 4096 * 11008
+    assert m.params == 32 * (attn + mlp) + 2 * 32000 * 4096
+    # the checkpoint's 6,738,415,616 parameters less its RMSNorm weights (2 per layer + final)
+    assert m.params == 6_738_415_616 - (2 * 32 + 1) * 4096
+    assert m.kv_bytes_per_token("bf16") == 32 * 2 * 32 * 128 * 2 == 524_288  # 512 KiB per token
+    m.check_tp(8)
+
+
+def test_llama_2_70b_is_gqa_and_68_98b() -> None:
+    m = LLAMA_2_70B
+    attn = 2 * 8192 * 8192 + 2 * 8192 * 8 * 128
+    mlp = 3 * 8192 * 28672
+    assert m.params == 80 * (attn + mlp) + 2 * 32000 * 8192
+    assert m.params == 68_976_648_192 - (2 * 80 + 1) * 8192  # the checkpoint's, less its norms
+    assert m.kv_bytes_per_token("bf16") == 80 * 2 * 8 * 128 * 2
+
+
+def test_llama_3_8b_is_llama_31_8b_with_an_8k_context() -> None:
+    assert LLAMA_3_8B.params == LLAMA_31_8B.params
+    assert LLAMA_3_8B.max_context == 8192
+    assert get_model("Llama-3-8B") is LLAMA_3_8B
+
+
+def test_tied_embeddings_count_one_matrix() -> None:
+    from dataclasses import replace
+
+    tied = replace(LLAMA_31_8B, tied_embeddings=True)
+    assert LLAMA_31_8B.params - tied.params == 128256 * 4096
+    assert tied.active_params_per_token == LLAMA_31_8B.active_params_per_token  # the head runs
