@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
 
+from disagg.cli import app
 from disagg.core.metrics import (
     TRANSFER_COLUMNS,
     Recorder,
     host_share,
     inter_token_latency,
+    read_summary,
     requests_table,
     steps_table,
     summarize,
+    write_results,
 )
 from disagg.core.request import Request, Status
+from disagg.core.slo import Slo
+from disagg.core.stats import describe_ms, per_user_tps
+from disagg.core.summary import FIGURES, SCHEMA_VERSION, Summary
+from disagg.errors import ConfigError
+
+OLD_RUNS = Path(__file__).parent / "data" / "hw-runs" / "gpu_tpot_2026-11-29d"
 
 
 def test_host_share_counts_only_the_passes_whose_device_time_was_measured() -> None:
@@ -167,3 +182,273 @@ def test_summarize_with_nothing_finished() -> None:
     assert s["tps_per_user_p50"] == 0.0
     assert s["transfer_bytes_per_request"] == 0.0
     assert (s["completed"], s["failed"], s["unfinished"]) == (0, 1, 1)
+
+
+# -- field-standard figures (vLLM's names, ms) ---------------------------------------------------
+
+
+def test_describe_ms_of_four_values() -> None:
+    # 100, 200, 400, 900 ms: mean 400; median between 200 and 400; deviations -300, -200, 0,
+    # 500 give a population variance of 380000 / 4; p99 at rank 3 * 0.99 = 2.97 lies 0.97 of
+    # the way from 400 to 900
+    d = describe_ms([0.9, 0.1, math.nan, 0.4, 0.2], "ttft")  # order and NaN do not matter
+    assert d == pytest.approx(
+        {
+            "mean_ttft_ms": 400.0,
+            "median_ttft_ms": 300.0,
+            "std_ttft_ms": math.sqrt(95000.0),
+            "p90_ttft_ms": 400 + 0.7 * 500,
+            "p95_ttft_ms": 400 + 0.85 * 500,
+            "p99_ttft_ms": 400 + 0.97 * 500,
+            "p999_ttft_ms": 400 + 0.997 * 500,
+        }
+    )
+
+
+def test_describe_ms_of_nothing_is_nan() -> None:
+    d = describe_ms([math.nan], "e2e")
+    assert set(d) == {f"{s}_e2e_ms" for s in ("mean", "median", "std", "p90", "p95", "p99", "p999")}
+    assert all(math.isnan(v) for v in d.values())
+
+
+def test_weighted_figures_equal_those_of_the_repeated_list() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        n = int(rng.integers(1, 12))
+        values = rng.choice([0.01, 0.02, 0.05, 0.3], size=n) + rng.random(n) * 1e-3
+        counts = rng.integers(0, 9, size=n)
+        if counts.sum() == 0:
+            continue
+        expected = {
+            f"{s}_x_ms": v
+            for s, v in (
+                ("mean", np.mean(np.repeat(values, counts)) * 1e3),
+                ("median", np.median(np.repeat(values, counts)) * 1e3),
+                ("std", np.std(np.repeat(values, counts)) * 1e3),
+            )
+        }
+        for name, q in (("p90", 90), ("p95", 95), ("p99", 99), ("p999", 99.9)):
+            expected[f"{name}_x_ms"] = np.percentile(np.repeat(values, counts) * 1e3, q)
+        assert describe_ms(values, "x", counts) == pytest.approx(expected, rel=1e-12)
+
+
+def test_per_user_tps_p10_is_the_speed_nine_in_ten_users_beat() -> None:
+    # TPOTs 0.1, 0.1, 0.2, 0.3 s: 10, 10, 5, 3.33 tokens/s; p10 at rank 0.3 of 3.33 .. 5
+    tps = per_user_tps([0.1, 0.2, math.nan, 0.3, 0.1])
+    assert tps == pytest.approx(
+        {
+            "mean_tps_per_user": (10 + 10 + 5 + 10 / 3) / 4,
+            "p10_tps_per_user": 10 / 3 + 0.3 * (5 - 10 / 3),
+            "median_tps_per_user": 7.5,
+            "p90_tps_per_user": 10.0,
+        }
+    )
+
+
+def timed(
+    rid: int, arrival_s: float, prefill_s: float, first_s: float, finish_s: float, out: int
+) -> Request:
+    r = Request(rid, arrival_s, prompt_tokens=100, output_tokens=out, status=Status.FINISHED)
+    r.prefill_start_s, r.first_token_s, r.finish_s = prefill_s, first_s, finish_s
+    return r
+
+
+# id, arrival, first prefill pass, first token, finish, output tokens:
+#   TTFT 300, 100, 600, 400 ms; TPOT 1.0/10, 0.4/4, 1.0/5, 0.6/2 = 100, 100, 200, 300 ms;
+#   E2E 1300, 500, 1600, 1000 ms; queue 100, 0, 400, 200 ms; r4 failed and counts in none
+FOUR = requests_table(
+    [
+        timed(0, 0.0, 0.1, 0.3, 1.3, 11),
+        timed(1, 1.0, 1.0, 1.1, 1.5, 5),
+        timed(2, 2.0, 2.4, 2.6, 3.6, 6),
+        timed(3, 3.0, 3.2, 3.4, 4.0, 3),
+        Request(4, 3.5, prompt_tokens=100, output_tokens=9, status=Status.FAILED),
+    ]
+)
+
+
+def test_summarize_gives_the_field_standard_figures_of_hand_built_tables() -> None:
+    s = summarize(FOUR, STEPS, TRANSFERS, gpus=2, wall_s=1.0)
+    assert s["schema_version"] == SCHEMA_VERSION
+    # TTFT 100, 300, 400, 600: mean and median 350, deviations +-250 and +-50
+    assert s["mean_ttft_ms"] == pytest.approx(350.0)
+    assert s["median_ttft_ms"] == pytest.approx(350.0)
+    assert s["std_ttft_ms"] == pytest.approx(math.sqrt((2 * 250**2 + 2 * 50**2) / 4))
+    assert s["p99_ttft_ms"] == pytest.approx(400 + 0.97 * 200)
+    assert s["p99_ttft_ms"] == pytest.approx(1e3 * s["ttft_s_p99"])  # the same definition
+    # TPOT 100, 100, 200, 300
+    assert s["mean_tpot_ms"] == pytest.approx(175.0)
+    assert s["median_tpot_ms"] == pytest.approx(150.0)
+    assert s["std_tpot_ms"] == pytest.approx(math.sqrt((2 * 75**2 + 25**2 + 125**2) / 4))
+    assert s["p90_tpot_ms"] == pytest.approx(200 + 0.7 * 100)
+    # E2E 500, 1000, 1300, 1600; queue 0, 100, 200, 400
+    assert s["mean_e2e_ms"] == pytest.approx(1100.0)
+    assert s["median_e2e_ms"] == pytest.approx(1150.0)
+    assert s["p99_e2e_ms"] == pytest.approx(1300 + 0.97 * 300)
+    assert s["mean_queue_ms"] == pytest.approx(175.0)
+    assert s["median_queue_ms"] == pytest.approx(150.0)
+    assert s["p999_queue_ms"] == pytest.approx(200 + 0.997 * 200)
+    assert s["p10_tps_per_user"] == pytest.approx(10 / 3 + 0.3 * (5 - 10 / 3))
+    # the span runs from the first arrival (0 s) to the last finish (4 s): 4 finished, 400
+    # prompt and 25 output tokens
+    assert s["duration_s"] == pytest.approx(4.0)
+    assert (s["completed"], s["total_input_tokens"], s["total_output_tokens"]) == (4, 400, 25)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["input_throughput"] == pytest.approx(100.0)
+    assert s["output_throughput"] == pytest.approx(6.25)
+    assert s["total_token_throughput"] == pytest.approx(106.25)
+    assert "goodput_per_s" not in s and "slo" not in s
+
+
+def test_itl_in_ms_is_the_pooled_list_of_sequence_passes() -> None:
+    # STEPS: 2 waits of 10 ms, 12 of 20 ms, 1 of 50 ms (15 in all; ranks 0..14); the mean is
+    # per wait, p95 at rank 13.3 lies 0.3 of the way from 20 to 50 ms
+    s = summarize(FOUR, STEPS, TRANSFERS, gpus=2, wall_s=1.0)
+    mean = (2 * 10 + 12 * 20 + 50) / 15
+    assert s["mean_itl_ms"] == pytest.approx(mean)
+    assert s["median_itl_ms"] == pytest.approx(20.0)
+    assert s["std_itl_ms"] == pytest.approx(
+        math.sqrt((2 * (10 - mean) ** 2 + 12 * (20 - mean) ** 2 + (50 - mean) ** 2) / 15)
+    )
+    assert s["p90_itl_ms"] == pytest.approx(20.0)
+    assert s["p95_itl_ms"] == pytest.approx(20 + 0.3 * 30)
+    assert s["p99_itl_ms"] == pytest.approx(20 + 0.86 * 30)
+    assert s["p999_itl_ms"] == pytest.approx(20 + 0.986 * 30)
+
+
+def test_goodput_under_an_slo() -> None:
+    # ttft <= 350 and tpot <= 150 ms: r0 (300, 100) and r1 (100, 100) meet it; r2 and r3 are
+    # late to the first token; r4 failed. 2 over the 4 s span; 2 of the 5 requests
+    s = summarize(FOUR, STEPS, TRANSFERS, 2, 1.0, Slo.parse("ttft_ms=350,tpot_ms=150"))
+    assert s["slo"] == "ttft_ms=350,tpot_ms=150"
+    assert s["goodput_per_s"] == pytest.approx(0.5)
+    assert s["slo_met_fraction"] == pytest.approx(0.4)
+    loose = summarize(FOUR, STEPS, TRANSFERS, 2, 1.0, Slo.parse("e2e_ms=5000"))
+    assert loose["goodput_per_s"] == pytest.approx(loose["request_throughput"])
+
+
+def test_summary_round_trips_through_summary_json(tmp_path: Path) -> None:
+    summary = summarize(FOUR, STEPS, TRANSFERS, 2, 1.5, Slo.parse("tpot_ms=150"))
+    summary |= {"experiment": "four", "nic_busy_max": 0.25, "a_newer_backend_key": [1, 2]}
+    write_results(tmp_path, FOUR, STEPS, TRANSFERS, summary)
+    raw = json.loads((tmp_path / "summary.json").read_text())
+    assert raw == summary  # every key, extras too; no None-valued optional sections
+    assert read_summary(tmp_path).fields() == summary
+    assert read_summary(tmp_path).goodput_per_s == pytest.approx(0.5)  # r0, r1 (r3's 300 ms)
+    # with another SLO, goodput is computed again from the requests; the rest is as stored
+    again = read_summary(tmp_path, Slo.parse("ttft_ms=450"))
+    assert (again.slo, again.goodput_per_s, again.slo_met_fraction) == ("ttft_ms=450", 0.75, 0.6)
+    assert again.wall_s == 1.5
+
+
+def test_nan_figures_survive_the_round_trip(tmp_path: Path) -> None:
+    failed = FOUR[FOUR.status == "failed"]
+    write_results(
+        tmp_path,
+        failed,
+        step_rows(),
+        TRANSFERS.iloc[:0],
+        summarize(failed, step_rows(), TRANSFERS.iloc[:0], 1, 1.0),
+    )
+    s = read_summary(tmp_path)
+    assert math.isnan(s.mean_ttft_ms) and math.isnan(s.p999_itl_ms)
+    assert (s.completed, s.failed, s.request_throughput, s.duration_s) == (0, 1, 0.0, 0.0)
+
+
+def test_every_field_is_described_and_typed() -> None:
+    schema = Summary.model_json_schema()["properties"]
+    assert set(schema) == set(Summary.model_fields)
+    missing = [k for k, v in schema.items() if not v.get("description")]
+    assert missing == []
+    assert "p999_ttft_ms" in FIGURES and "node_settings" not in FIGURES and "slo" not in FIGURES
+
+
+def test_a_summary_of_the_wrong_type_is_refused_naming_the_field(tmp_path: Path) -> None:
+    summary = summarize(FOUR, STEPS, TRANSFERS, 2, 1.0) | {"completed": "many"}
+    with pytest.raises(ValidationError, match="completed"):
+        write_results(tmp_path, FOUR, STEPS, TRANSFERS, summary)
+
+
+def test_a_summary_newer_than_the_code_is_a_clear_error(tmp_path: Path) -> None:
+    write_results(tmp_path, FOUR, STEPS, TRANSFERS, summarize(FOUR, STEPS, TRANSFERS, 2, 1.0))
+    raw = json.loads((tmp_path / "summary.json").read_text()) | {"schema_version": 99}
+    (tmp_path / "summary.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="schema_version 99 is newer"):
+        read_summary(tmp_path)
+
+
+def test_an_old_summary_gets_the_new_figures_from_its_tables(tmp_path: Path) -> None:
+    """A hardware run from before schema_version: its own values kept, the rest computed
+    from its tables."""
+    old = json.loads((OLD_RUNS / "disagg-2rps" / "summary.json").read_text())
+    assert "schema_version" not in old and "mean_ttft_ms" not in old
+    s = read_summary(OLD_RUNS / "disagg-2rps")
+    assert s.schema_version == SCHEMA_VERSION
+    assert {k: v for k, v in s.fields().items() if k in old} == old
+    req = pd.read_parquet(OLD_RUNS / "disagg-2rps" / "requests.parquet")
+    assert s.mean_ttft_ms == pytest.approx(1e3 * req.ttft_s.mean(), rel=1e-12)
+    assert s.median_ttft_ms == pytest.approx(1e3 * old["ttft_s_p50"], rel=1e-12)
+    span = req.finish_s.max() - req.arrival_s.min()
+    assert s.request_throughput == pytest.approx(79 / span, rel=1e-12)
+    assert s.goodput_per_s is None
+
+
+def test_compare_shows_old_and_new_runs_side_by_side_with_goodput(tmp_path: Path) -> None:
+    new = tmp_path / "new"
+    write_results(new, FOUR, STEPS, TRANSFERS, summarize(FOUR, STEPS, TRANSFERS, 2, 1.0))
+    old = tmp_path / "disagg-2rps"
+    shutil.copytree(OLD_RUNS / "disagg-2rps", old)
+    res = CliRunner().invoke(
+        app, ["sim", "compare", str(old), str(new), "--slo", "ttft_ms=350,tpot_ms=150"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "goodput under the SLO ttft_ms=350,tpot_ms=150" in res.output
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2:4]
+        for line in res.output.splitlines()
+        if line.count("│") == 4
+    }
+    assert [v.strip() for v in rows["goodput (requests/s)"]][1] == "0.5"
+    assert [v.strip() for v in rows["TTFT mean (ms)"]] == [
+        f"{read_summary(old).mean_ttft_ms:,.1f}",
+        "350.0",
+    ]
+    assert "p999_ttft_ms" not in res.output
+    res = CliRunner().invoke(app, ["sim", "compare", str(old), str(new), "--all"])
+    assert res.exit_code == 0 and "p999_ttft_ms" in res.output
+    # nothing written into the old run: it is read as it is
+    assert json.loads((old / "summary.json").read_text()) == json.loads(
+        (OLD_RUNS / "disagg-2rps" / "summary.json").read_text()
+    )
+
+
+def test_a_bad_slo_is_an_error_naming_it() -> None:
+    res = CliRunner().invoke(
+        app, ["sim", "compare", str(OLD_RUNS / "disagg-2rps"), "--slo", "ttft=1"]
+    )
+    assert res.exit_code == 2 and "--slo 'ttft=1'" in res.output
+
+
+def test_sim_run_with_an_slo_writes_goodput_into_summary_json(tmp_path: Path) -> None:
+    experiment = Path(__file__).parent.parent / "experiments" / "tiny-disagg.toml"
+    out = tmp_path / "run"
+    args = ["sim", "run", str(experiment), "--out", str(out), "--slo", "ttft_ms=12"]
+    res = CliRunner().invoke(app, [*args, "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    req = pd.read_parquet(out / "requests.parquet")
+    met = int((req.ttft_s * 1e3 <= 12).sum())
+    assert 0 < met < len(req)  # a bound that some requests meet and some miss
+    span = req.finish_s.max() - req.arrival_s.min()
+    assert summary["schema_version"] == SCHEMA_VERSION and summary["slo"] == "ttft_ms=12"
+    assert summary["goodput_per_s"] == pytest.approx(met / span, rel=1e-12)
+    assert summary["slo_met_fraction"] == pytest.approx(met / len(req), rel=1e-12)
+
+
+def test_an_old_summary_without_its_counts_cannot_be_brought_up_to_date(tmp_path: Path) -> None:
+    shutil.copytree(OLD_RUNS / "colocated-2rps", tmp_path / "run")
+    raw = json.loads((tmp_path / "run" / "summary.json").read_text())
+    del raw["gpus"]
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"summary\.json: no gpus or wall_s"):
+        read_summary(tmp_path / "run")

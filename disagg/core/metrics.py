@@ -12,6 +12,7 @@ Every run writes three tables and a summary:
 A hw run adds `hops`: when each request's control messages left and arrived (`queue_parts`
 splits the queue by it).
 Metrics, plots and notebooks read only these, so sim and hw results compare column by column.
+The summary (summary.json) is `disagg.core.summary.Summary`; docs/metrics.md defines its fields.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import pandas as pd
 
 from disagg.core.request import Request, Status
 from disagg.core.scheduler import Batch
+from disagg.core.slo import Slo
+from disagg.core.stats import goodput, standard_metrics
+from disagg.core.summary import SCHEMA_VERSION, Summary
 from disagg.errors import ConfigError
 
 STEP_COLUMNS = [
@@ -176,17 +180,25 @@ def _pcts(values: pd.Series, name: str) -> dict[str, float]:
     return {f"{name}_p{p}": float(np.percentile(v, p)) for p in (50, 90, 99)}
 
 
+def decode_waits(steps: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(per-pass time in s, weight) of each row that carries decodes: a row of `steps` identical
+    passes with `decode_seqs` decoding sequences is that many waits of `duration_s / steps`,
+    one per sequence per pass (each a token, or with draft tokens the chunk a pass accepts)."""
+    dec = steps[steps.decode_seqs > 0]
+    return dec.duration_s / dec.steps, dec.steps * dec.decode_seqs
+
+
 def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
     """Percentiles of the pass time each decoding sequence waits for its next token(s): every
     pass that carries decodes (decode-only or mixed with prefill), weighted by the sequences it
     carries. A prefill that shares a pass with decodes shows up here as stutter. The p-th
     percentile is the smallest pass time with at least p of the weight at or below it."""
-    dec = steps[steps.decode_seqs > 0]
+    wait_s, weight_s = decode_waits(steps)
     names = {500: "p50", 900: "p90", 990: "p99", 999: "p999"}  # per mille
-    if dec.empty:
+    if wait_s.empty:
         return {f"itl_s_{n}": math.nan for n in names.values()}
-    per_pass = (dec.duration_s / dec.steps).to_numpy(float)
-    weight = (dec.steps * dec.decode_seqs).to_numpy(float)
+    per_pass = wait_s.to_numpy(float)
+    weight = weight_s.to_numpy(float)
     order = np.argsort(per_pass, kind="stable")
     # compared in whole numbers, exactly: as fractions, 99.9 / 100 rounds above 999 / 1000 and
     # p99.9 of 1000 passes would skip to the slowest
@@ -239,12 +251,19 @@ def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> p
 
 
 def summarize(
-    requests: pd.DataFrame, steps: pd.DataFrame, transfers: pd.DataFrame, gpus: int, wall_s: float
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    transfers: pd.DataFrame,
+    gpus: int,
+    wall_s: float,
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
-    """TTFT, TPOT, per-user and per-GPU throughput, transfer sizes, counts."""
+    """The fields of `Summary` (disagg/core/summary.py, docs/metrics.md) that the tables give:
+    latencies over the finished requests, throughput over the run's span, inter-token waits
+    from the steps, transfers, counts; goodput when `slo` is given. Backends add their own."""
     done = requests[requests.status == str(Status.FINISHED)]
     simulated_s = float(requests.finish_s.max()) if len(done) else 0.0
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
     out |= _pcts(done.ttft_s, "ttft_s")
     out |= _pcts(done.tpot_s, "tpot_s")
     out["tps_per_user_p50"] = float(np.median(1 / done.tpot_s.dropna())) if len(done) else 0.0
@@ -262,7 +281,7 @@ def summarize(
     out["gpus"] = gpus
     out["simulated_s"] = simulated_s
     out["wall_s"] = wall_s
-    return out
+    return out | standard_metrics(requests, *decode_waits(steps), slo=slo)
 
 
 def write_results(
@@ -272,11 +291,13 @@ def write_results(
     transfers: pd.DataFrame,
     summary: dict[str, Any],
 ) -> None:
+    """Write the tables and `summary.json`: `summary` validated as a `Summary` (pydantic's
+    ValidationError names a field that is not of its type), written with its keys sorted."""
     out_dir.mkdir(parents=True, exist_ok=True)
     requests.to_parquet(out_dir / "requests.parquet", index=False)
     steps.to_parquet(out_dir / "steps.parquet", index=False)
     transfers.to_parquet(out_dir / "transfers.parquet", index=False)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    (out_dir / "summary.json").write_text(Summary.model_validate(summary).to_json())
 
 
 def read_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
@@ -290,3 +311,19 @@ def read_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
         pd.read_parquet(run_dir / "transfers.parquet"),
         json.loads((run_dir / "summary.json").read_text()),
     )
+
+
+def read_summary(run_dir: Path, slo: Slo | None = None) -> Summary:
+    """A run directory's summary, brought up to `SCHEMA_VERSION` from its tables if it is
+    older; with `slo`, goodput is computed again from the requests under that SLO."""
+    requests, steps, transfers, raw = read_results(run_dir)
+
+    def recompute(old: dict[str, Any]) -> dict[str, Any]:
+        if "gpus" not in old or "wall_s" not in old:
+            raise ConfigError(f"{run_dir}/summary.json: no gpus or wall_s to recompute it from")
+        return summarize(requests, steps, transfers, int(old["gpus"]), float(old["wall_s"]))
+
+    summary = Summary.read(raw, recompute)
+    if slo is None:
+        return summary
+    return Summary.model_validate(summary.model_dump() | goodput(requests, slo))
