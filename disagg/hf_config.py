@@ -25,7 +25,7 @@ class _Fields:
     """Typed reads of one config.json's fields; errors name the file and architecture."""
 
     def __init__(self, cfg: Mapping[str, Any], source: str, arch: str) -> None:
-        self.cfg, self.where = cfg, f"{source} (model_type {arch!r})"
+        self.cfg, self.arch, self.where = cfg, arch, f"{source} (model_type {arch!r})"
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
         """Field `key`, an integer >= `minimum`; `default` if absent or null (None: required)."""
@@ -39,6 +39,15 @@ class _Fields:
                 f"{self.where}: field {key!r} = {v!r} must be an integer >= {minimum}"
             )
         return v
+
+    def number(self, key: str, default: float) -> float:
+        """Field `key`, a positive number; `default` if absent or null."""
+        v = self.cfg.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ConfigError(f"{self.where}: field {key!r} = {v!r} must be a positive number")
+        return float(v)
 
     def flag(self, key: str, default: bool) -> bool:
         v = self.cfg.get(key, default)
@@ -73,7 +82,7 @@ def _gqa(f: _Fields, name: str) -> ModelSpec:
 
 
 def _mixtral(f: _Fields, name: str) -> ModelSpec:
-    spec = _gqa(f, name)
+    spec = _gqa(f, name)  # softmax over the chosen experts' logits: renormalised top-k
     experts = f.int("num_local_experts")
     return _with_moe(spec, experts, f.int("num_experts_per_tok"), spec.intermediate, 0, 0)
 
@@ -87,7 +96,8 @@ def _qwen3_moe(f: _Fields, name: str) -> ModelSpec:
     if dense != list(range(len(dense))):
         raise f.unsupported("mlp_only_layers", dense, "only the first layers can be dense")
     experts, top_k = f.int("num_experts"), f.int("num_experts_per_tok")
-    return _with_moe(spec, experts, top_k, f.int("moe_intermediate_size"), 0, len(dense))
+    spec = _with_moe(spec, experts, top_k, f.int("moe_intermediate_size"), 0, len(dense))
+    return replace(spec, norm_topk=f.flag("norm_topk_prob", False))
 
 
 def _with_moe(
@@ -108,6 +118,11 @@ def _deepseek(f: _Fields, name: str) -> ModelSpec:
     if freq != 1:
         raise f.unsupported("moe_layer_freq", freq, "only every layer after the dense ones is MoE")
     nope, rope = f.int("qk_nope_head_dim"), f.int("qk_rope_head_dim")
+    v3 = f.arch == "deepseek_v3"
+    method = f.cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+    if method not in ("greedy", "noaux_tc"):
+        raise f.unsupported("topk_method", method, "greedy and noaux_tc routing are modelled")
+    grouped = method == "noaux_tc"
     return ModelSpec(
         name=name,
         hidden=f.int("hidden_size"),
@@ -127,6 +142,11 @@ def _deepseek(f: _Fields, name: str) -> ModelSpec:
         shared_experts=f.int("n_shared_experts", 0, minimum=0),
         moe_intermediate=f.int("moe_intermediate_size"),
         dense_layers=f.int("first_k_dense_replace", 0, minimum=0),
+        router="grouped" if grouped else "softmax",
+        expert_groups=f.int("n_group", 8) if grouped else 1,
+        topk_groups=f.int("topk_group", 4) if grouped else 1,
+        norm_topk=f.flag("norm_topk_prob", v3),
+        routed_scale=f.number("routed_scaling_factor", 2.5 if v3 else 1.0),
         mtp_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
         max_context=f.int("max_position_embeddings"),
         tied_embeddings=f.flag("tie_word_embeddings", False),

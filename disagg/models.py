@@ -12,6 +12,7 @@ from typing import Literal
 from disagg.errors import ConfigError
 
 Attention = Literal["gqa", "mla"]
+Router = Literal["softmax", "grouped"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 
@@ -56,6 +57,14 @@ class ModelSpec:
     shared_experts: int = 0
     moe_intermediate: int = 0
     dense_layers: int = 0
+    # how tokens pick experts (disagg.hw.moe): "softmax" top-k, or DeepSeek-V3's "grouped"
+    # (sigmoid scores, `expert_groups` groups of which `topk_groups` are kept); `norm_topk`: the
+    # k weights are renormalised to sum to one; `routed_scale` multiplies them
+    router: Router = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    norm_topk: bool = True
+    routed_scale: float = 1.0
     # multi-token prediction modules (DeepSeek-V3's MTP)
     mtp_layers: int = 0
     max_context: int | None = None  # tokens of prompt + output per request
@@ -260,6 +269,10 @@ DEEPSEEK_V3 = ModelSpec(
     shared_experts=1,
     moe_intermediate=2048,
     dense_layers=3,
+    router="grouped",  # its config.json: topk_method noaux_tc, n_group 8, topk_group 4
+    expert_groups=8,
+    topk_groups=4,
+    routed_scale=2.5,
     mtp_layers=1,
     # max_position_embeddings, deepseek-ai/DeepSeek-V3 (and -R1) config.json: 160k, YaRN from 4k
     max_context=163840,
@@ -338,6 +351,63 @@ TINY_MLA = replace(
     max_context=32768,
 )
 
+# mid-size MoE models that fit one H200 at full depth in bf16 (the shapes and
+# max_position_embeddings of Qwen/Qwen3-30B-A3B's and deepseek-ai/DeepSeek-V2-Lite's
+# config.json; 30.5B and 15.7B parameters)
+QWEN3_30B_A3B = ModelSpec(
+    name="qwen3-30b-a3b",
+    hidden=2048,
+    layers=48,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    vocab=151936,
+    intermediate=6144,
+    experts=128,
+    experts_per_token=8,
+    moe_intermediate=768,
+    max_context=40960,
+)
+DEEPSEEK_V2_LITE = ModelSpec(
+    name="deepseek-v2-lite",
+    hidden=2048,
+    layers=27,
+    heads=16,
+    head_dim=192,
+    vocab=102400,
+    intermediate=10944,
+    attention="mla",
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    experts=64,
+    experts_per_token=6,
+    shared_experts=2,
+    moe_intermediate=1408,
+    dense_layers=1,
+    norm_topk=False,  # topk_method greedy, norm_topk_prob false, routed_scaling_factor 1
+    max_context=163840,
+)
+# toy MoE models for CPU runs: tiny-gqa with 8 experts of 32, 2 per token (softmax routing);
+# tiny-mla with a dense first layer, then 16 experts in 8 groups (grouped routing: 4 groups
+# kept, 4 experts per token) and one shared expert
+TINY_MOE = replace(TINY_GQA, name="tiny-moe", experts=8, experts_per_token=2, moe_intermediate=32)
+TINY_MLA_MOE = replace(
+    TINY_MLA,
+    name="tiny-mla-moe",
+    layers=3,
+    experts=16,
+    experts_per_token=4,
+    shared_experts=1,
+    moe_intermediate=32,
+    dense_layers=1,
+    router="grouped",
+    expert_groups=8,
+    topk_groups=4,
+    routed_scale=2.5,
+)
+
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
@@ -348,8 +418,12 @@ MODELS: dict[str, ModelSpec] = {
         LLAMA_31_70B,
         QWEN3_CODER_480B,
         DEEPSEEK_V3,
+        QWEN3_30B_A3B,
+        DEEPSEEK_V2_LITE,
         TINY_GQA,
         TINY_MLA,
+        TINY_MOE,
+        TINY_MLA_MOE,
     )
 }
 MODELS["deepseek-r1"] = replace(DEEPSEEK_V3, name="deepseek-r1")  # same architecture

@@ -11,7 +11,13 @@ from disagg.config import load_experiment
 from disagg.core.metrics import requests_table
 from disagg.errors import ConfigError
 from disagg.hf_config import read_hf_config, spec_from_hf
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, QWEN3_CODER_480B
+from disagg.models import (
+    DEEPSEEK_V2_LITE,
+    DEEPSEEK_V3,
+    LLAMA_31_8B,
+    QWEN3_30B_A3B,
+    QWEN3_CODER_480B,
+)
 from disagg.sim.cluster import Sim
 
 # the fields of each model's config.json on Hugging Face (extra fields the mapping ignores,
@@ -85,6 +91,7 @@ QWEN3_30B_A3B_CONFIG = {
     "max_position_embeddings": 40960,
     "mlp_only_layers": [],
     "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
     "num_attention_heads": 32,
     "num_experts": 128,
     "num_experts_per_tok": 8,
@@ -138,6 +145,11 @@ DEEPSEEK_V2_LITE_CONFIG = {
     "num_hidden_layers": 27,
     "num_attention_heads": 16,
     "n_shared_experts": 2,
+    "n_group": 1,  # routing: greedy softmax top-k, not renormalised
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
     "n_routed_experts": 64,
     "num_experts_per_tok": 6,
     "q_lora_rank": None,  # queries are not compressed
@@ -167,6 +179,13 @@ def test_llama_31_8b_config_maps_to_the_catalogue_spec(tmp_path: Path) -> None:
 def test_deepseek_v3_config_maps_to_the_catalogue_spec(tmp_path: Path) -> None:
     spec = read_hf_config(write(tmp_path, "DeepSeek-V3", DEEPSEEK_V3_CONFIG), "deepseek-v3")
     assert spec == DEEPSEEK_V3
+
+
+def test_the_mid_size_moe_configs_map_to_the_catalogue_specs(tmp_path: Path) -> None:
+    qwen = write(tmp_path, "qwen3-30b-a3b", QWEN3_30B_A3B_CONFIG)
+    lite = write(tmp_path, "deepseek-v2-lite", DEEPSEEK_V2_LITE_CONFIG)
+    assert read_hf_config(qwen) == QWEN3_30B_A3B
+    assert read_hf_config(lite) == DEEPSEEK_V2_LITE
 
 
 def test_qwen3_coder_config_maps_to_the_catalogue_spec(tmp_path: Path) -> None:

@@ -263,6 +263,21 @@ def test_disaggregated_equals_colocated(
     assert medians["to_prefill"] == pytest.approx(1e3 * parts.to_prefill.median())
 
 
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla-moe"])
+def test_an_moe_model_disaggregated_equals_colocated(model: str, tmp_path: Path) -> None:
+    """MoE layers (softmax top-k; DeepSeek's grouped routing with a shared expert) on the
+    path of the KV pages: chunked prefill on one server, decode on another, the same tokens
+    and logits as one colocated server."""
+    _, colocated = run(tmp_path, "colocated", experiment(model, "colocated", "HND", 1000))
+    summary, disagg = run(tmp_path, "disagg", experiment(model, "disagg", "HND", 8))
+    assert summary["completed"] == 5 and sorted(disagg.finished) == sorted(colocated.finished)
+    for req_id, ref in colocated.finished.items():
+        got = disagg.finished[req_id]
+        assert got.status == ref.status == "finished"
+        assert got.tokens == ref.tokens and len(got.tokens) >= 3
+        np.testing.assert_allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
 def test_a_dead_server_is_an_error_naming_it_and_no_child_is_left(tmp_path: Path) -> None:
     from disagg.errors import TransportError
     from disagg.hw.driver import Driver

@@ -15,7 +15,7 @@ from disagg.hw.batch import Seq
 from disagg.hw.model import Transformer
 from disagg.hw.moe import Routing, experts_reference, route, routing_for, swiglu
 from disagg.hw.specs import tiny_mla_moe, tiny_moe
-from disagg.models import DEEPSEEK_V3, QWEN3_CODER_480B
+from disagg.models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, QWEN3_CODER_480B
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 
@@ -27,6 +27,7 @@ def logit(p: float) -> float:
 def test_each_family_routes_as_its_model_does() -> None:
     assert routing_for(DEEPSEEK_V3) == Routing("grouped", 8, 8, 4, 2.5)
     assert routing_for(QWEN3_CODER_480B) == Routing("softmax", 8)
+    assert routing_for(DEEPSEEK_V2_LITE) == Routing("softmax", 6, normalise=False)
     assert routing_for(tiny_mla_moe()).kind == "grouped"
     assert routing_for(tiny_moe()) == Routing("softmax", 2)
 
@@ -37,6 +38,8 @@ def test_softmax_routing_renormalises_the_top_k() -> None:
     weights, ids = route(logits, Routing("softmax", 2))
     assert ids.tolist() == [[3, 2]]
     torch.testing.assert_close(weights, torch.tensor([[4 / 7, 3 / 7]]))
+    weights, _ = route(logits, Routing("softmax", 2, scale=2.0, normalise=False))
+    torch.testing.assert_close(weights, torch.tensor([[0.8, 0.6]]))  # 2 x (0.4, 0.3)
 
 
 def test_grouped_routing_keeps_the_best_groups_and_weighs_scores_without_bias() -> None:

@@ -113,8 +113,12 @@ def test_every_model_has_its_published_context_and_checks_requests_against_it() 
         "qwen3-coder-480b-a35b": 262144,
         "deepseek-v3": 163840,
         "deepseek-r1": 163840,
+        "qwen3-30b-a3b": 40960,
+        "deepseek-v2-lite": 163840,
         "tiny-gqa": 32768,
         "tiny-mla": 32768,
+        "tiny-moe": 32768,
+        "tiny-mla-moe": 32768,
     }
     LLAMA_31_8B.check_context(131072, "request 0")  # exactly the context: fits
     with pytest.raises(ConfigError) as err:

@@ -1,12 +1,13 @@
 """Mixture-of-experts MLP layers at a catalogue model's shapes, with seeded random weights.
 
-Routing (`Routing`, chosen by `routing_for` from the model's family):
-- `softmax` (Qwen3-MoE, Mixtral): the top `top_k` experts of softmax(router logits), their
-  probabilities renormalised to sum to one;
+Routing (`Routing`, as the model's spec gives it: `routing_for`):
+- `softmax` (Qwen3-MoE, Mixtral, DeepSeek-V2): the top `top_k` experts of softmax(router
+  logits), their probabilities renormalised to sum to one where the model does so;
 - `grouped` (DeepSeek-V3/R1, "noaux_tc"): sigmoid scores plus a per-expert bias choose the
   experts: the experts form `groups` groups, a group scores the sum of its two best, the best
   `topk_groups` groups are kept and the top `top_k` experts among them chosen; each chosen
-  expert weighs its sigmoid score (without the bias) renormalised over the k, times `scale`.
+  expert weighs its sigmoid score (without the bias), renormalised over the k.
+Either way the weights are then multiplied by `scale`.
 
 Experts are SwiGLU MLPs of width `moe_intermediate` (`w13`: gate rows then up rows, [E, 2I, H];
 `w2`: [E, H, I]); `shared_experts` always-active experts run as one dense SwiGLU of width
@@ -30,9 +31,6 @@ from disagg.models import ModelSpec
 if TYPE_CHECKING:
     from disagg.hw.model import WeightMaker
 
-# DeepSeek-V3's published routing (its config.json: n_group, topk_group, routed_scaling_factor)
-DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS, DEEPSEEK_SCALE = 8, 4, 2.5
-
 
 @dataclass(frozen=True)
 class Routing:
@@ -41,15 +39,20 @@ class Routing:
     groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
+    normalise: bool = True  # the k weights renormalised to sum to one (before `scale`)
 
 
 def routing_for(spec: ModelSpec) -> Routing:
-    """DeepSeek's grouped routing for an MLA MoE model (when its experts split into groups),
-    softmax top-k otherwise."""
-    k = spec.experts_per_token
-    if spec.attention == "mla" and spec.experts % DEEPSEEK_GROUPS == 0:
-        return Routing("grouped", k, DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS, DEEPSEEK_SCALE)
-    return Routing("softmax", k)
+    """The routing of the model's family, as its spec gives it (`router` and the fields after
+    it)."""
+    return Routing(
+        spec.router,
+        spec.experts_per_token,
+        spec.expert_groups,
+        spec.topk_groups,
+        spec.routed_scale,
+        spec.norm_topk,
+    )
 
 
 def route(
@@ -60,9 +63,8 @@ def route(
     use distinct logits)."""
     logits = logits.float()
     if routing.kind == "softmax":
-        probs = logits.softmax(-1)
-        weights, ids = probs.topk(routing.top_k, dim=-1)
-        return weights / weights.sum(-1, keepdim=True), ids.int()
+        weights, ids = logits.softmax(-1).topk(routing.top_k, dim=-1)
+        return _weigh(weights, routing), ids.int()
     t, e = logits.shape
     scores = logits.sigmoid()
     choice = scores if bias is None else scores + bias.float()
@@ -72,8 +74,13 @@ def route(
     mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
     masked = choice.masked_fill(~mask.repeat_interleave(e // routing.groups, dim=1), -math.inf)
     ids = masked.topk(routing.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    return weights / weights.sum(-1, keepdim=True) * routing.scale, ids.int()
+    return _weigh(scores.gather(1, ids), routing), ids.int()
+
+
+def _weigh(weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    if routing.normalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routing.scale
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

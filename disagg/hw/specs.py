@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, TINY_GQA, TINY_MLA, ModelSpec, dense
+from disagg.models import (
+    DEEPSEEK_V3,
+    LLAMA_31_8B,
+    TINY_GQA,
+    TINY_MLA,
+    TINY_MLA_MOE,
+    TINY_MOE,
+    ModelSpec,
+    dense,
+)
 
 
 def tiny_gqa(layers: int = 2) -> ModelSpec:
@@ -25,31 +34,14 @@ def tiny_mla(layers: int = 2) -> ModelSpec:
 
 
 def tiny_moe(layers: int = 2) -> ModelSpec:
-    """tiny-gqa with Qwen3-MoE's kind of MLP: 8 routed experts of width 32, 2 per token
-    (softmax routing), no shared expert, on every layer."""
-    return replace(
-        TINY_GQA,
-        name="tiny-moe",
-        layers=layers,
-        experts=8,
-        experts_per_token=2,
-        moe_intermediate=32,
-    )
+    """The catalogue's tiny-moe (tiny-gqa with 8 routed experts, 2 per token), at any depth."""
+    return replace(TINY_MOE, layers=layers)
 
 
 def tiny_mla_moe(layers: int = 3) -> ModelSpec:
-    """tiny-mla with DeepSeek-V3's kind of MLP: a first dense layer, then 16 routed experts in
-    8 groups (grouped routing: 4 groups kept, 4 experts per token) and one shared expert."""
-    return replace(
-        TINY_MLA,
-        name="tiny-mla-moe",
-        layers=layers,
-        experts=16,
-        experts_per_token=4,
-        shared_experts=1,
-        moe_intermediate=32,
-        dense_layers=1,
-    )
+    """The catalogue's tiny-mla-moe (a dense layer, then 16 experts in 8 groups and a shared
+    one), at any depth."""
+    return replace(TINY_MLA_MOE, layers=layers)
 
 
 def small_gqa(layers: int = 2) -> ModelSpec:
