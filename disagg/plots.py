@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.figure import Figure
 
 from disagg.core.metrics import read_results
 from disagg.errors import ConfigError
@@ -80,28 +81,49 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     return out
 
 
-SWEEP_PANELS = [
-    ("ttft_s_p50", "TTFT p50 (ms)"),
-    ("tpot_s_p50", "TPOT p50 (ms)"),
-    ("itl_s_p999", "inter-token p99.9 (ms)"),
-    ("output_tps_per_gpu", "output tokens/s per GPU"),
+SWEEP_PANELS = [  # (summary key, title, scale to the unit shown)
+    ("ttft_s_p50", "TTFT p50 (ms)", 1e3),
+    ("tpot_s_p50", "TPOT p50 (ms)", 1e3),
+    ("itl_s_p999", "inter-token p99.9 (ms)", 1e3),
+    ("output_tps_per_gpu", "output tokens/s per GPU", 1),
 ]
 
 
-def plot_sweep(df: pd.DataFrame, param: str, out: Path) -> Path:
-    """One panel per metric against the swept setting, one line per experiment."""
-    fig, axes = plt.subplots(1, len(SWEEP_PANELS), figsize=(4 * len(SWEEP_PANELS), 3.4))
-    for ax, (key, label) in zip(axes, SWEEP_PANELS, strict=True):
-        scale = 1e3 if key.endswith("_s_p50") or key.endswith("_p999") else 1
-        for name, g in df.groupby("experiment", sort=False):
-            ax.plot(g[param], g[key] * scale, marker="o", label=str(name))
-        ax.set_xlabel(param)
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-        if key == "ttft_s_p50":
-            ax.set_yscale("log")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+def plot_sweep(df: pd.DataFrame, params: str | list[str], out: Path) -> Path:
+    """Write `sweep_figure(df, params)` to `out`; return `out`."""
+    fig = sweep_figure(df, [params] if isinstance(params, str) else params)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def sweep_figure(df: pd.DataFrame, params: list[str]) -> Figure:
+    """One panel per metric against the first swept setting, one line per experiment and
+    combination of the other settings (in the table's order)."""
+    x, others = params[0], params[1:]
+    panels = [panel for panel in SWEEP_PANELS if panel[0] in df]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    groups = list(df.groupby(["experiment", *others], sort=False))
+    for ax, (key, title, scale) in zip(axes[0], panels, strict=True):
+        for name, g in groups:
+            ax.plot(g[x], g[key] * scale, marker="o", label=_line_label(name, others, df))
+        ax.set_xlabel(x)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if key.startswith("ttft"):
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7 if len(groups) > 6 else 8)
+    fig.tight_layout()
+    return fig
+
+
+def _line_label(name: object, others: list[str], df: pd.DataFrame) -> str:
+    """`experiment, key=value, ...` (the experiment left out when the sweep has one)."""
+    values = list(name) if isinstance(name, tuple) else [name]
+    parts = [
+        f"{k.rsplit('.', 1)[-1]}={f'{v:g}' if isinstance(v, float) else v}"
+        for k, v in zip(others, values[1:], strict=True)
+    ]
+    if df.experiment.nunique() > 1 or not parts:
+        parts.insert(0, str(values[0]))
+    return ", ".join(parts)
