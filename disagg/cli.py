@@ -29,28 +29,38 @@ hw_app = typer.Typer(no_args_is_help=True, help="Real runs: torch/FlashInfer, tc
 app.add_typer(hw_app, name="hw")
 console = Console()
 
-SUMMARY_ROWS = [
-    ("ttft_s_p50", "TTFT p50 (ms)", 1e3),
-    ("ttft_s_p90", "TTFT p90 (ms)", 1e3),
-    ("ttft_s_p99", "TTFT p99 (ms)", 1e3),
-    ("tpot_s_p50", "TPOT p50 (ms)", 1e3),
-    ("tpot_s_p90", "TPOT p90 (ms)", 1e3),
-    ("tpot_s_p99", "TPOT p99 (ms)", 1e3),
-    ("itl_s_p50", "inter-token p50 (ms)", 1e3),
-    ("itl_s_p99", "inter-token p99 (ms)", 1e3),
-    ("itl_s_p999", "inter-token p99.9 (ms)", 1e3),
-    ("tps_per_user_p50", "tokens/s per user p50", 1),
-    ("output_tps_per_gpu", "output tokens/s per GPU", 1),
-    ("transfer_bytes_per_request", "transfer MB per request", 1e-6),
-    ("transfer_ops_per_request", "transfer writes per request", 1),
+SUMMARY_ROWS = [  # the main figures (docs/metrics.md); `sim compare --all` shows every one
+    ("completed", "completed", 1),
+    ("failed", "failed", 1),
+    ("request_throughput", "requests/s", 1),
+    ("slo", "SLO", 1),
+    ("goodput_per_s", "goodput (requests/s)", 1),
+    ("slo_met_fraction", "share within SLO", 1),
+    ("output_throughput", "output tokens/s", 1),
+    ("output_tps_per_gpu", "output tokens/s/GPU", 1),
+    ("mean_ttft_ms", "TTFT mean (ms)", 1),
+    ("median_ttft_ms", "TTFT p50 (ms)", 1),
+    ("p99_ttft_ms", "TTFT p99 (ms)", 1),
+    ("mean_tpot_ms", "TPOT mean (ms)", 1),
+    ("median_tpot_ms", "TPOT p50 (ms)", 1),
+    ("p99_tpot_ms", "TPOT p99 (ms)", 1),
+    ("median_itl_ms", "ITL p50 (ms)", 1),
+    ("p99_itl_ms", "ITL p99 (ms)", 1),
+    ("p999_itl_ms", "ITL p99.9 (ms)", 1),
+    ("median_e2e_ms", "E2E p50 (ms)", 1),
+    ("p99_e2e_ms", "E2E p99 (ms)", 1),
+    ("median_queue_ms", "queue p50 (ms)", 1),
+    ("p99_queue_ms", "queue p99 (ms)", 1),
+    ("p10_tps_per_user", "tokens/s/user p10", 1),
+    ("median_tps_per_user", "tokens/s/user p50", 1),
+    ("transfer_bytes_per_request", "transfer MB/request", 1e-6),
+    ("transfer_ops_per_request", "transfer writes/request", 1),
     ("transfer_s_p50", "transfer time p50 (ms)", 1e3),
     ("nic_bytes_max", "busiest NIC: GB sent", 1e-9),
     ("nic_busy_max", "busiest NIC: busy", 1),
-    ("host_share_of_pass_time", "passes: host share of wall time", 1),
-    ("completed", "completed", 1),
-    ("failed", "failed", 1),
+    ("host_share_of_pass_time", "host share of pass time", 1),
     ("gpus", "GPUs", 1),
-    ("simulated_s", "simulated s", 1),
+    ("duration_s", "span s (arrival-finish)", 1),
     ("wall_s", "wall s", 1),
 ]
 
@@ -87,12 +97,14 @@ def _fmt(value: Any, scale: float) -> str:
     return str(value)
 
 
-def summary_table(summaries: dict[str, dict[str, Any]]) -> Table:
+def summary_table(
+    summaries: dict[str, dict[str, Any]], rows: list[tuple[str, str, float]] = SUMMARY_ROWS
+) -> Table:
     table = Table(show_header=True, header_style="bold")
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     for name in summaries:
         table.add_column(Text(name), justify="right")
-    for key, label, scale in SUMMARY_ROWS:
+    for key, label, scale in rows:
         if any(key in s for s in summaries.values()):
             table.add_row(
                 label, *(_fmt(s.get(key, float("nan")), scale) for s in summaries.values())
@@ -104,6 +116,14 @@ Overrides = Annotated[
     list[str] | None,
     typer.Option(
         "--set", help="Override a setting: key.path=value (repeatable), e.g. workload.rate_per_s=4"
+    ),
+]
+SloText = Annotated[
+    str | None,
+    typer.Option(
+        "--slo",
+        help="Objectives for goodput, e.g. ttft_ms=500,tpot_ms=50 (any of ttft_ms, tpot_ms, "
+        "e2e_ms): the summary adds the requests/s that met them all",
     ),
 ]
 
@@ -137,9 +157,14 @@ def check_out_dir(directory: Path, option: str = "--out") -> None:
 
 
 def run_simulation(
-    experiment: Path | None, overrides: list[str] | None, out: Path | None, quiet: bool = False
+    experiment: Path | None,
+    overrides: list[str] | None,
+    out: Path | None,
+    quiet: bool = False,
+    slo: str | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Simulate one experiment, write its tables, return (directory, summary)."""
+    """Simulate one experiment, write its tables, return (directory, summary); `slo`: the
+    `--slo` text, for goodput (checked before the run)."""
     from disagg.config import check_context, load_experiment
     from disagg.core.metrics import (
         requests_table,
@@ -148,8 +173,11 @@ def run_simulation(
         transfers_table,
         write_results,
     )
+    from disagg.core.slo import Slo
     from disagg.sim.cluster import Sim
+    from disagg.trace import write_trace
 
+    objective = Slo.parse(slo) if slo is not None else None
     exp = load_experiment(experiment, overrides)
     out = out or Path("runs") / exp.name
     check_out_dir(out)
@@ -172,11 +200,12 @@ def run_simulation(
         steps_table(sim.rec),
         transfers_table(sim.rec),
     )
-    summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
+    summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall, objective)
     summary |= sim.network_summary() | sim.fault_summary()
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    write_trace(out)
     return out, summary
 
 
@@ -193,10 +222,11 @@ def sim_run(
     out: Annotated[Path | None, typer.Option(help="Result directory (default runs/NAME)")] = None,
     set_: Overrides = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or table")] = False,
+    slo: SloText = None,
 ) -> None:
     """Simulate an experiment; print its summary and write requests/steps/transfers tables.
     Exits with 1 if any request failed (the tables are written first)."""
-    out_dir, summary = run_simulation(experiment, set_, out, quiet)
+    out_dir, summary = run_simulation(experiment, set_, out, quiet, slo)
     if not quiet:
         console.print(summary_table({summary["experiment"]: summary}))
     failed = report_failures(out_dir)
@@ -222,11 +252,28 @@ def report_failures(run_dir: Path) -> int:
 
 @sim_app.command("compare")
 @guarded
-def sim_compare(runs: Annotated[list[Path], typer.Argument(help="Result directories")]) -> None:
-    """Print the summaries of several runs side by side."""
-    from disagg.core.metrics import read_results
+def sim_compare(
+    runs: Annotated[list[Path], typer.Argument(help="Result directories")],
+    slo: SloText = None,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Every figure of the summaries, not the main ones")
+    ] = False,
+) -> None:
+    """Print the summaries of several runs side by side; an older summary gets the newer
+    figures from its run's tables, and --slo computes goodput again from them."""
+    from disagg.core.metrics import read_summary
+    from disagg.core.slo import Slo
+    from disagg.core.summary import FIGURES
 
-    console.print(summary_table({str(d): read_results(d)[3] for d in runs}))
+    objective = Slo.parse(slo) if slo is not None else None
+    unique = len({d.name for d in runs}) == len(runs)  # short column names where they suffice
+    summaries = {d.name if unique else str(d): read_summary(d, objective).fields() for d in runs}
+    main = {key for key, _, _ in SUMMARY_ROWS}
+    rows = SUMMARY_ROWS + [(k, k, 1.0) for k in FIGURES if k not in main] if all_ else SUMMARY_ROWS
+    if objective is not None:  # one SLO for all: said once, not in every column
+        say(f"goodput under the SLO {objective}")
+        rows = [row for row in rows if row[0] != "slo"]
+    console.print(summary_table(summaries, rows))
 
 
 @sim_app.command("sweep")
@@ -235,63 +282,63 @@ def sim_sweep(
     experiments: Annotated[
         list[Path], typer.Argument(help="Experiment TOML files or run directories")
     ],
-    param: Annotated[str, typer.Option(help="Setting to vary")] = "workload.rate_per_s",
-    values: Annotated[str, typer.Option(help="Comma-separated values")] = "3,6,9,12",
+    grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A setting and its values, KEY=V1,V2,... (repeatable: every combination)"
+        ),
+    ] = None,
+    param: Annotated[
+        str | None, typer.Option(help="One setting to vary (default workload.rate_per_s)")
+    ] = None,
+    values: Annotated[
+        str | None, typer.Option(help="Its comma-separated values (default 3,6,9,12)")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Directory for the runs and sweep.csv/png")] = Path(
         "runs/sweep"
     ),
     set_: Overrides = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Local processes, or --ray local's CPUs (default: one per core)"),
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run on a Ray cluster: auto, local (start one), ray://HOST:PORT, HOST:PORT"
+        ),
+    ] = None,
 ) -> None:
-    """Run experiments over a range of one setting (load, by default): one table, one plot.
-    Every point is validated before the first runs."""
-    import pandas as pd
-
+    """Run experiments over a grid of settings (load, by default): one table, one plot.
+    Every point is validated before the first runs; points already in --out are kept."""
+    from disagg import sweep
     from disagg.plots import plot_sweep
 
-    points = _sweep_points(experiments, param, values, set_ or [])
+    axes = sweep.parse_grid(grid or [], param, values)
+    points = sweep.plan(experiments, axes, set_ or [], out)
     check_out_dir(out)
-    rows = []
-    for exp_path in experiments:
-        for v in points:
-            run_dir = out / f"{exp_path.stem}-{param.rsplit('.', 1)[-1]}-{v}"
-            _, summary = run_simulation(
-                exp_path, [*(set_ or []), f"{param}={v}"], run_dir, quiet=True
-            )
-            rows.append({"experiment": exp_path.stem, param: _number_or_text(v), **summary})
-            say(
-                f"{exp_path.stem} {param}={v}: TTFT p50 "
-                f"{summary['ttft_s_p50'] * 1e3:.0f} ms, TPOT p50 "
-                f"{summary['tpot_s_p50'] * 1e3:.1f} ms"
-            )
-    df = pd.DataFrame(rows)
+    jobs = jobs or os.cpu_count() or 1
+    if ray:
+        from disagg.sweep_ray import ray_cluster
+
+        executor = ray_cluster(ray, jobs)
+    else:
+        executor = sweep.local_processes(jobs)
+    ran: list[bool] = []
+
+    def report(
+        point: sweep.Point, summary: dict[str, Any], n: int, total: int, before: bool
+    ) -> None:
+        ran.append(not before)
+        note = " (done before)" if before else ""
+        say(f"[{n}/{total}] {point.describe()}: {sweep.headline(summary)}{note}")
+
+    df = sweep.run_sweep(points, executor, report)
+    where = f"on Ray ({ray})" if ray else "here" if jobs == 1 else f"in up to {jobs} processes"
+    say(f"ran {sum(ran)} of {len(points)} points {where}, {len(ran) - sum(ran)} done before")
     df.to_csv(out / "sweep.csv", index=False)
-    say(f"wrote {out / 'sweep.csv'} and {plot_sweep(df, param, out / 'sweep.png')}")
-
-
-def _sweep_points(experiments: list[Path], param: str, values: str, sets: list[str]) -> list[str]:
-    """The values of `--values`, each checked against every experiment (the experiment with
-    `param=value` must validate): a bad value is an error before any point runs."""
-    from disagg.config import load_experiment
-
-    points = [v.strip() for v in values.split(",") if v.strip()]
-    if not points:
-        raise ConfigError(f"--values {values!r}: no values to sweep {param} over (e.g. 3,6,9)")
-    for exp_path in experiments:
-        for v in points:
-            try:
-                load_experiment(exp_path, [*sets, f"{param}={v}"])
-            except ConfigError as e:
-                raise ConfigError(f"--values: {v!r} is not a valid {param}: {e}") from None
-    return points
-
-
-def _number_or_text(value: str) -> float | str:
-    """A swept value as the table keeps it: a number (plotted on a numeric axis) or the text
-    of a choice (`--param transfer.handoff --values decode-first,parallel`)."""
-    try:
-        return float(value)
-    except ValueError:
-        return value
+    figure = plot_sweep(df, [a.param for a in axes], out / "sweep.png")
+    say(f"wrote {out / 'sweep.csv'} and {figure}")
 
 
 def _hw_missing() -> None:
@@ -354,6 +401,7 @@ def hw_run(
             help="A server not heard from this long is stuck: an error (hw.silent_after_s)"
         ),
     ] = None,
+    slo: SloText = None,
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
     on local devices, the workload replayed in real time; writes the same tables as sim run.
@@ -361,9 +409,11 @@ def hw_run(
     experiment.json."""
     _hw_missing()
     from disagg.config import check_context, load_experiment
+    from disagg.core.slo import Slo
     from disagg.core.workload import generate
     from disagg.hw.driver import run_hw
 
+    objective = Slo.parse(slo) if slo is not None else None
     flags = _flag_overrides(
         hw__wire=wire,
         hw__prefill_device=prefill_device,
@@ -389,7 +439,7 @@ def hw_run(
             bar.update(task, completed=done, total=total)
 
         try:
-            summary, _ = run_hw(exp, out, progress, external=tuple(external or ()))
+            summary, _ = run_hw(exp, out, progress, external=tuple(external or ()), slo=objective)
         except KeyboardInterrupt:
             console.print("interrupted: servers stopped")
             raise typer.Exit(130) from None
@@ -482,6 +532,141 @@ def plot(
         raise ConfigError(f"--out: {e}") from None
     check_out_dir(path.parent)
     say(f"wrote {plot_runs(runs, path)}")
+
+
+@app.command("trace")
+@guarded
+def trace(
+    run_dir: Annotated[Path, typer.Argument(help="Result directory of a sim or hw run")],
+    out: Annotated[
+        Path | None, typer.Option(help="File to write (default RUN_DIR/trace.json)")
+    ] = None,
+    max_requests: Annotated[
+        int, typer.Option(help="Draw at most N requests: every k-th by id (0: none)")
+    ] = 2000,
+) -> None:
+    """Write a run's Chrome/Perfetto trace: passes per node, transfers per NIC, a flow per
+    request. Open it at https://ui.perfetto.dev (docs/trace.md)."""
+    from disagg.trace import write_trace
+
+    if max_requests < 0:
+        raise ConfigError(f"--max-requests {max_requests}: must be 0 or more")
+    if out is not None:
+        if out.is_dir():
+            raise ConfigError(f"--out {out} is a directory: give the JSON file to write")
+        check_out_dir(out.parent)
+    say(f"wrote {write_trace(run_dir, out, max_requests)}")
+
+
+@app.command("catalogue")
+@guarded
+def catalogue_cmd(
+    config: Annotated[
+        list[Path] | None,
+        typer.Option(help="Also list the model of this Hugging Face config.json (repeatable)"),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print JSON (base units) instead of tables")
+    ] = False,
+) -> None:
+    """List the models, GPUs and NICs an experiment can name, with their derived figures."""
+    import json
+
+    from disagg.catalogue import catalogue, tables
+    from disagg.hf_config import read_hf_config
+
+    extra = [read_hf_config(p) for p in config or []]
+    if json_out:
+        say(json.dumps(catalogue(extra), indent=2))
+        return
+    for table in tables(extra):
+        console.print(table)
+
+
+@app.command("plan")
+@guarded
+def plan_cmd(
+    experiment: Annotated[
+        Path | None, typer.Argument(help="Base experiment TOML file or run directory")
+    ] = None,
+    slo: Annotated[
+        str, typer.Option(help="Objectives, e.g. ttft_ms=2000,tpot_ms=50 (ttft_ms or e2e_ms)")
+    ] = "ttft_ms=2000,tpot_ms=50",
+    max_gpus: Annotated[
+        int | None, typer.Option(help="GPU budget (default: the base experiment's GPUs)")
+    ] = None,
+    modes: Annotated[str, typer.Option(help="Cluster modes to try")] = "colocated,disagg",
+    nodes: Annotated[str | None, typer.Option(help="Colocated node counts, e.g. 1,2,4")] = None,
+    prefill_nodes: Annotated[str | None, typer.Option(help="Prefill node counts")] = None,
+    decode_nodes: Annotated[str | None, typer.Option(help="Decode node counts")] = None,
+    max_nodes: Annotated[int, typer.Option(help="Most nodes per pool by default")] = 8,
+    vary: Annotated[
+        list[str] | None,
+        typer.Option(help="Also try KEY=V1,V2 (repeatable), e.g. transfer.policy=layerwise,whole"),
+    ] = None,
+    fraction: Annotated[
+        float, typer.Option(help="Keeps up: goodput >= this share of the offered rate")
+    ] = 0.9,
+    probe_s: Annotated[
+        float | None,
+        typer.Option(help="Simulated seconds of arrivals per probe (default: the workload's)"),
+    ] = None,
+    rel_tol: Annotated[float, typer.Option(help="Bisection stops within this of the rate")] = 0.05,
+    prune: Annotated[
+        str, typer.Option(help="front: skip dominated; cost: skip all but the cheapest; none")
+    ] = "front",
+    jobs: Annotated[int, typer.Option(help="Parallel simulations")] = os.cpu_count() or 1,
+    out: Annotated[Path, typer.Option(help="Directory for plan.csv/png and winner.json")] = Path(
+        "runs/plan"
+    ),
+    set_: Overrides = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar")] = False,
+) -> None:
+    """Find the configuration with the fewest GPUs per req/s of goodput under SLOs: bisect each
+    configuration's highest rate that keeps up, print the Pareto front of GPUs against goodput
+    and write plan.csv, plan.png and winner.json (an experiment `disagg sim run` takes)."""
+    from disagg.config import load_experiment
+    from disagg.core.slo import Slo
+    from disagg.plan import Options, Space, parse_counts, parse_prune, parse_vary, plan
+
+    base = load_experiment(experiment, set_)
+    space = Space(
+        max_gpus=max_gpus or base.cluster.total_gpus,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        colocated_nodes=parse_counts("--nodes", nodes),
+        prefill_nodes=parse_counts("--prefill-nodes", prefill_nodes),
+        decode_nodes=parse_counts("--decode-nodes", decode_nodes),
+        vary=tuple(parse_vary(v) for v in vary or []),
+        max_nodes=max_nodes,
+    )
+    opts = Options(Slo.parse(slo), fraction, probe_s, rel_tol, prune=parse_prune(prune), jobs=jobs)
+    check_out_dir(out)
+    with _progress("{task.completed}/{task.total} configurations", quiet) as bar:
+        task = bar.add_task(escape(f"plan {base.name}"), total=None)
+
+        def on_space(n: int, skipped: int) -> None:
+            say(f"{n} configurations to search" + (f", {skipped} skipped" if skipped else ""))
+            bar.update(task, total=n)
+
+        result = plan(base, space, opts, out, lambda d, n: bar.update(task, completed=d), on_space)
+    columns = ("configuration", "GPUs", "goodput req/s", "GPUs/(req/s)", "TTFT p90", "TPOT p90")
+    table = Table(*columns, title="Pareto front: GPUs against goodput (latency in ms)")
+    for o in result.front:
+        b = o.best
+        assert b is not None  # the front kept up
+        mark = " *" if o is result.winner else ""
+        gpus = o.candidate.gpus
+        cells = (f"{b.goodput_per_s:.3g}", f"{gpus / b.goodput_per_s:.3g}", f"{b.ttft_ms_p90:.0f}")
+        table.add_row(Text(o.candidate.label + mark), str(gpus), *cells, f"{b.tpot_ms_p90:.1f}")
+    console.print(table)
+    for label, why in result.skipped[:3]:
+        say(f"skipped {label}: {why}")
+    if len(result.skipped) > 3:
+        say(f"... {len(result.skipped)} configurations skipped in all (plan.csv says why)")
+    w = result.winner
+    good = f"{w.goodput_per_s:.3g} req/s under {opts.slo}"
+    say(f"* fewest GPUs per goodput: {w.candidate.label} ({w.candidate.gpus} GPUs, {good})")
+    say(f"wrote {', '.join(str(f) for f in result.files)}")
 
 
 def main() -> None:  # pragma: no cover - console script entry

@@ -36,6 +36,7 @@ from disagg.core.metrics import (
     write_results,
 )
 from disagg.core.request import Request, Status
+from disagg.core.slo import Slo
 from disagg.core.workload import generate
 from disagg.errors import ConfigError, TransportError
 from disagg.faults import (
@@ -64,6 +65,7 @@ from disagg.hw.protocol import (
 )
 from disagg.hw.serve import serve
 from disagg.settings import HW_PAGES
+from disagg.trace import write_trace
 
 
 @dataclass
@@ -369,11 +371,13 @@ def run_hw(
     progress: Callable[[int, int], None] | None = None,
     external: tuple[str, ...] = (),
     return_logits: bool = False,
+    slo: Slo | None = None,
 ) -> tuple[dict[str, Any], HwRun]:
     """Run the experiment on local devices (its `[hw]` settings); write the tables and the
-    experiment as run to `out`; return the summary. A run that stops early (a server died or
-    got stuck, requests were left) writes its tables too, each request with its final status
-    (finished, failed with its reason, or unfinished: the run stopped), then raises."""
+    experiment as run to `out`; return the summary (with goodput under `slo` if given). A run
+    that stops early (a server died or got stuck, requests were left) writes its tables too,
+    each request with its final status (finished, failed with its reason, or unfinished: the
+    run stopped), then raises."""
     start = time.perf_counter()
     driver = Driver(exp, external, return_logits)
     exp = driver.exp
@@ -391,7 +395,7 @@ def run_hw(
         raise stopped  # it never started: nothing to write
     wall = time.perf_counter() - start
     req, steps, xfers = tables(state, f"the run stopped: {stopped}" if stopped else "")
-    summary = summarize(req, steps, xfers, len(driver.configs), wall)
+    summary = summarize(req, steps, xfers, len(driver.configs), wall, slo)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": exp.hw.wire}
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     counters = ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start")
@@ -417,6 +421,7 @@ def run_hw(
     write_results(out, req, steps, xfers, summary)
     hops.to_parquet(out / "hops.parquet", index=False)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    write_trace(out)
     if stopped is not None:
         raise TransportError(f"{stopped} (the tables of what ran are in {out})")
     return summary, state
