@@ -20,17 +20,22 @@ from dataclasses import dataclass
 import torch
 
 from disagg.core.kvcache import Layout, PageLayout
+from disagg.core.sharding import shard_layout
 from disagg.errors import ConfigError
 from disagg.hw.device import check_fits
 from disagg.models import ModelSpec
 
 
-def page_layout(spec: ModelSpec, page_size: int, layout: Layout, elem_bytes: int) -> PageLayout:
-    """The PageLayout of one page of one layer of `spec` (all KV heads on one rank)."""
+def page_layout(
+    spec: ModelSpec, page_size: int, layout: Layout, elem_bytes: int, tp: int = 1
+) -> PageLayout:
+    """The PageLayout of one page of one layer of `spec` on one rank of a TP group of `tp`:
+    its KV heads as the transfer planner places them (GQA), or the whole latent (MLA)."""
     if spec.attention == "mla":
         dim = spec.kv_lora_rank + spec.qk_rope_dim
         return PageLayout(page_size, 1, dim, elem_bytes, layout, mla=True)
-    return PageLayout(page_size, spec.kv_heads, spec.head_dim, elem_bytes, layout)
+    heads = shard_layout(spec, tp).heads_per_rank
+    return PageLayout(page_size, heads, spec.head_dim, elem_bytes, layout)
 
 
 @dataclass
@@ -66,12 +71,14 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         layout: Layout = "HND",
+        tp: int = 1,
     ) -> KVCache:
-        """Zeroed pages for every layer of `spec`; ConfigError if the device cannot hold them."""
+        """Zeroed pages for every layer of `spec` (one rank's shard under TP `tp`); ConfigError
+        if the device cannot hold them or `tp` cannot shard the model."""
         if num_pages < 1:
             raise ConfigError(f"a KV cache needs at least one page, got {num_pages}")
         elem = torch.empty((), dtype=dtype).element_size()
-        pl = page_layout(spec, page_size, layout, elem)
+        pl = page_layout(spec, page_size, layout, elem, tp)
         shape = (num_pages + 1, *pl.shape)
         check_fits(
             device,

@@ -14,6 +14,11 @@ activations stay O(1) over any depth; norms are ones. They are drawn on the CPU 
 each from its own torch.Generator seeded by (seed, tensor name, chunk), so they are identical
 in every process and for any thread count, then moved to the device (bf16 on CUDA, float32 on
 CPU). RoPE is the plain rotate-half form with theta 500000 (no Llama-3.1 frequency scaling).
+
+With `tp` (disagg.hw.tp) the model is one rank of a tensor-parallel group: it draws the same
+full tensors and keeps its shard (query heads, its KV heads, its share of every MLP width, its
+vocab rows), all-reduces after each row-parallel projection and all-gathers the logits
+(docs/architecture.md, "Tensor parallelism in the hw model").
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,7 @@ from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import check_fits, default_dtype, resolve_device
 from disagg.hw.moe import MoE
+from disagg.hw.tp import Cut, TensorParallel, attention_cuts, lm_head_cut, swiglu_cuts
 from disagg.models import ModelSpec
 
 ROPE_THETA = 500_000.0
@@ -62,15 +68,21 @@ class WeightMaker:
         g = torch.Generator().manual_seed(key & (2**63 - 1))
         return torch.empty(n).uniform_(-bound, bound, generator=g).to(self.dtype)
 
-    def uniform(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
-        """A tensor of `shape` with i.i.d. uniform entries of standard deviation `std`."""
+    def uniform(
+        self, name: str, shape: tuple[int, ...], std: float, cut: Cut | None = None
+    ) -> torch.Tensor:
+        """A tensor of `shape` with i.i.d. uniform entries of standard deviation `std`; with a
+        `cut`, only the part it keeps. The full tensor is drawn either way (on the CPU, so a
+        TP rank's device holds only its shard): every rank pays one full draw in CPU time and
+        the full tensor's bytes in host memory, one tensor at a time."""
         total = math.prod(shape)
         bound = std * math.sqrt(3.0)
         starts = range(0, total, CHUNK)
         parts = self.pool.map(
             lambda s: self._chunk(name, s // CHUNK, min(CHUNK, total - s), bound), starts
         )
-        return torch.cat(list(parts)).view(shape).to(self.device)
+        full = torch.cat(list(parts)).view(shape)
+        return (full if cut is None else cut.apply(full)).to(self.device)
 
     def ones(self, n: int) -> torch.Tensor:
         return torch.ones(n, dtype=self.dtype, device=self.device)
@@ -179,15 +191,25 @@ class Transformer:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         fused_ops: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         """`fused_ops`: FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of
-        torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's)."""
+        torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's).
+
+        `tp`: this process is one rank of a tensor-parallel group and holds only its shard of
+        the weights (docs/architecture.md, "Tensor parallelism in the hw model"); every rank of
+        the group must run the same steps. ConfigError if the group cannot split the model."""
         self.spec = spec
         self.fused_ops = fused_ops
+        self.tp = tp
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.mla = spec.attention == "mla"
         self.rope_dim = spec.qk_rope_dim if self.mla else spec.head_dim
+        self.cuts = self._cuts()
+        size = 1 if tp is None else tp.size
+        self.heads = spec.heads // size  # query heads of this rank
+        self.kv_heads = spec.kv_heads if tp is None else len(tp.kv_heads(spec))  # (GQA)
         check_fits(self.device, self.weight_bytes(), f"{spec.name} weights ({spec.layers} layers)")
         w = WeightMaker(seed, self.device, self.dtype)
         h = spec.hidden
@@ -195,11 +217,27 @@ class Transformer:
         self.moes: dict[int, MoE] = {}  # layer -> its experts (MoE layers only)
         self.layers = [self._make_layer(w, i) for i in range(spec.layers)]
         self.final_norm = w.ones(h)
-        self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5)
+        lm_cut = self.cuts.get("lm_head")
+        self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5, lm_cut)
         w.pool.shutdown()
         self.inv_freq = inv_freq(self.rope_dim, self.device)
 
     # ---- weights ---------------------------------------------------------------------------
+    def _cuts(self) -> dict[str, Cut]:
+        """What this rank keeps of each attention, dense-MLP and lm_head weight (and of the MoE
+        weights, as `moe.*`); empty without tp. ConfigError if tp does not split the model."""
+        tp, s = self.tp, self.spec
+        if tp is None:
+            return {}
+        cuts = attention_cuts(s, tp)
+        if s.layers > s.moe_layers:
+            cuts["w_gate_up"], cuts["w_down"] = swiglu_cuts(
+                s.intermediate, tp, f"{s.name}'s MLP width (intermediate)"
+            )
+        if s.is_moe:
+            cuts |= {f"moe.{k}": v for k, v in MoE.cuts(s, tp).items()}
+        return cuts | {"lm_head": lm_head_cut(s, tp)}
+
     def _attn_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
         if not self.mla:
@@ -222,8 +260,16 @@ class Transformer:
         return self.spec.is_moe and i >= self.spec.dense_layers
 
     def layer_shapes(self, i: int = 0) -> dict[str, tuple[int, ...]]:
-        """Each weight's shape of layer `i` (GEMM weights are (out, in); an MoE layer's
-        experts are `moe.*`)."""
+        """Each weight's shape of layer `i` on this rank (GEMM weights are (out, in); an MoE
+        layer's experts are `moe.*`)."""
+        return {k: self._local(k, v) for k, v in self._full_shapes(i).items()}
+
+    def _local(self, name: str, full: tuple[int, ...]) -> tuple[int, ...]:
+        cut = self.cuts.get(name)
+        return full if cut is None else cut.shape(full)
+
+    def _full_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """layer_shapes at tp 1: the tensors every rank draws."""
         s = self.spec
         if self.is_moe_layer(i):
             mlp = {f"moe.{k}": v for k, v in MoE.shapes(s).items()}
@@ -235,24 +281,26 @@ class Transformer:
         return self._attn_shapes() | mlp
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight this model allocates (norms excluded)."""
+        """Bytes of every weight this model (this rank) allocates (norms excluded)."""
         layers = sum(
             math.prod(v) for i in range(self.spec.layers) for v in self.layer_shapes(i).values()
         )
-        total = layers + 2 * self.spec.vocab * self.spec.hidden
+        table = (self.spec.vocab, self.spec.hidden)
+        total = layers + math.prod(table) + math.prod(self._local("lm_head", table))
         return total * torch.empty((), dtype=self.dtype).element_size()
 
     def _make_layer(self, w: WeightMaker, i: int) -> dict[str, torch.Tensor]:
         s = self.spec
         out_scale = (2 * s.layers) ** -0.5
         layer = {"ln1": w.ones(s.hidden), "ln2": w.ones(s.hidden)}
-        for name, shape in self.layer_shapes(i).items():
+        for name, shape in self._full_shapes(i).items():
             if name.startswith("moe."):
                 continue
             std = shape[-1] ** -0.5 * (out_scale if name in ("wo", "w_down") else 1.0)
-            layer[name] = w.uniform(f"layer{i}.{name}", shape, std)
+            layer[name] = w.uniform(f"layer{i}.{name}", shape, std, self.cuts.get(name))
         if self.is_moe_layer(i):
-            self.moes[i] = MoE(s, w, f"layer{i}.moe", out_scale)
+            moe_cuts = {k[4:]: v for k, v in self.cuts.items() if k.startswith("moe.")}
+            self.moes[i] = MoE(s, w, f"layer{i}.moe", out_scale, moe_cuts)
         if self.mla:
             layer["kv_norm"] = w.ones(s.kv_lora_rank)
             if s.q_lora_rank:
@@ -261,16 +309,23 @@ class Transformer:
 
     # ---- forward ---------------------------------------------------------------------------
     def new_cache(self, num_pages: int, page_size: int = 16, layout: Layout = "HND") -> KVCache:
-        return KVCache.allocate(self.spec, num_pages, page_size, self.device, self.dtype, layout)
+        """This rank's KV pool: its KV heads (GQA) or the whole latent (MLA)."""
+        tp = 1 if self.tp is None else self.tp.size
+        return KVCache.allocate(
+            self.spec, num_pages, page_size, self.device, self.dtype, layout, tp=tp
+        )
+
+    def attn_shape(self, page_size: int, layout: Layout = "HND") -> AttnShape:
+        """The attention this rank computes: its query heads over its KV heads."""
+        shape = AttnShape.of(self.spec, page_size, layout)
+        return replace(shape, heads=self.heads, kv_heads=1 if self.mla else self.kv_heads)
 
     def forward(
         self, batch: Sequence[Seq], cache: KVCache, attention: Attention | None = None
     ) -> ForwardOut:
         """Append the batch's new tokens to `cache` and return last-token logits (eager)."""
         meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
-        attn = attention or TorchAttention(
-            AttnShape.of(self.spec, cache.page_size, cache.layout.layout)
-        )
+        attn = attention or TorchAttention(self.attn_shape(cache.page_size, cache.layout.layout))
         attn.plan(meta)
         x = StepTensors.build(batch, cache.page_size, self.device)
         return self.forward_tensors(x, cache, attn)
@@ -297,17 +352,29 @@ class Transformer:
                 if self.mla
                 else self._gqa(layer, a, (cos, sin), x, cache, i, attn, ops)
             )
-            h = torch.addmm(h, o, layer["wo"].t())  # residual add in the GEMM's epilogue
+            h = self._row_parallel(h, o, layer["wo"])
             if on_layer is not None:
                 on_layer()
             m = ops.norm(h, layer["ln2"])
             if i in self.moes:
-                h = h + self.moes[i](m)
+                h = h + self._reduce(self.moes[i](m))
             else:
                 gate_up = F.linear(m, layer["w_gate_up"])
-                h = torch.addmm(h, ops.silu_mul(gate_up), layer["w_down"].t())
+                h = self._row_parallel(h, ops.silu_mul(gate_up), layer["w_down"])
         last = ops.norm(h[x.last_rows], self.final_norm)
-        return ForwardOut(F.linear(last, self.lm_head).float(), h[x.hidden_rows])
+        logits = F.linear(last, self.lm_head).float()
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)
+        return ForwardOut(logits, h[x.hidden_rows])
+
+    def _row_parallel(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """h + x @ w.T, the product summed over the tp group (w holds this rank's columns)."""
+        if self.tp is None:
+            return torch.addmm(h, x, w.t())  # residual add in the GEMM's epilogue
+        return h + self.tp.all_reduce(F.linear(x, w))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def ops(self) -> TorchOps:
         """FusedOps when `fused_ops` is on and the model is on CUDA, else TorchOps."""
@@ -332,7 +399,7 @@ class Transformer:
         q, k, v = (
             F.linear(a, layer["wqkv"])
             .view(t, -1, s.head_dim)
-            .split([s.heads, s.kv_heads, s.kv_heads], dim=1)
+            .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         )
         q, k = ops.rope(q, k, x.positions, tables)
         write_kv(cache.layers[i], x, cache.layout.layout, k, v)
@@ -354,7 +421,7 @@ class Transformer:
             q = F.linear(rms_norm(F.linear(a, layer["w_dq"]), layer["q_norm"]), layer["w_uq"])
         else:
             q = F.linear(a, layer["w_q"])
-        q_nope, q_pe = q.view(t, s.heads, -1).split([s.qk_nope_dim, s.qk_rope_dim], dim=-1)
+        q_nope, q_pe = q.view(t, self.heads, -1).split([s.qk_nope_dim, s.qk_rope_dim], dim=-1)
         q_pe = rotate(q_pe, cos, sin)
         ckv, kpe = F.linear(a, layer["w_dkv"]).split([s.kv_lora_rank, s.qk_rope_dim], dim=-1)
         latent = torch.cat(

@@ -13,8 +13,15 @@ Experts are SwiGLU MLPs of width `moe_intermediate` (`w13`: gate rows then up ro
 `w2`: [E, H, I]); `shared_experts` always-active experts run as one dense SwiGLU of width
 shared * moe_intermediate. The routed experts are computed in torch on any device
 (`experts_reference`): tokens sorted by expert, one GEMM pair per expert that received tokens,
-outputs combined per token in a fixed order. FlashInfer's fused MoE is not used: its CUTLASS
-module did not build within one call of the lent H200 machine (docs/gpu-runs.md).
+outputs combined per token in a fixed order.
+
+Under tensor parallelism (`MoE.cuts`) a rank keeps its share of every expert's width (and of
+the shared experts'), or with expert parallelism its share of whole experts (the shared ones
+still split by width); the router is replicated, so every rank routes every token alike, and
+the layer's output on a rank is a partial sum that the model all-reduces once.
+
+FlashInfer's fused MoE is not used: its CUTLASS module did not build within one call of the
+lent H200 machine (docs/gpu-runs.md).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from disagg.hw.tp import Cut, TensorParallel, swiglu_cuts
 from disagg.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -90,20 +98,30 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 
 def experts_reference(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    first: int = 0,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), [T, H] in x's dtype, in torch."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), [T, H] in x's dtype, in torch.
+
+    w13, w2 hold experts first .. first + len(w13) - 1 (expert parallelism); the others count
+    as zero."""
     t, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    held = range(first, first + w13.shape[0])
+    counts = torch.bincount(flat, minlength=held.stop).tolist()
     rows = x[order // k]
-    out = torch.empty_like(rows)
+    every = len(held) == len(counts)
+    out = torch.empty_like(rows) if every else torch.zeros_like(rows)
     start = 0
     for e, n in enumerate(counts):
-        if n:
-            out[start : start + n] = swiglu(rows[start : start + n], w13[e], w2[e])
-            start += n
+        if n and e in held:
+            out[start : start + n] = swiglu(rows[start : start + n], w13[e - first], w2[e - first])
+        start += n
     per_slot = torch.empty_like(out)
     per_slot[order] = out  # back to (token, slot) order
     combined = (per_slot.view(t, k, -1).float() * weights[..., None]).sum(1)
@@ -113,8 +131,17 @@ def experts_reference(
 class MoE:
     """One MoE layer's weights and its forward: x [T, H] -> [T, H] (without the residual)."""
 
-    def __init__(self, spec: ModelSpec, make: WeightMaker, name: str, out_scale: float) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        make: WeightMaker,
+        name: str,
+        out_scale: float,
+        cuts: dict[str, Cut] | None = None,
+    ) -> None:
+        """`cuts`: what this rank keeps of each weight (`MoE.cuts`); None keeps everything."""
         e, h, i = spec.experts, spec.hidden, spec.moe_intermediate
+        cut = (cuts or {}).get
         self.routing = routing_for(spec)
         self.router = make.uniform(f"{name}.router", (e, h), h**-0.5)
         self.bias = (
@@ -122,13 +149,15 @@ class MoE:
             if self.routing.kind == "grouped"
             else None
         )
-        self.w13 = make.uniform(f"{name}.w13", (e, 2 * i, h), h**-0.5)
-        self.w2 = make.uniform(f"{name}.w2", (e, h, i), i**-0.5 * out_scale)
+        self.w13 = make.uniform(f"{name}.w13", (e, 2 * i, h), h**-0.5, cut("w13"))
+        self.w2 = make.uniform(f"{name}.w2", (e, h, i), i**-0.5 * out_scale, cut("w2"))
+        w13_cut = cut("w13")
+        self.first = w13_cut.keep[0].start if w13_cut and w13_cut.dim == 0 else 0
         s = spec.shared_experts * i
         self.shared = (
             (
-                make.uniform(f"{name}.shared13", (2 * s, h), h**-0.5),
-                make.uniform(f"{name}.shared2", (h, s), s**-0.5 * out_scale),
+                make.uniform(f"{name}.shared13", (2 * s, h), h**-0.5, cut("shared13")),
+                make.uniform(f"{name}.shared2", (h, s), s**-0.5 * out_scale, cut("shared2")),
             )
             if s
             else None
@@ -142,9 +171,28 @@ class MoE:
         out = {"router": (e, h), "w13": (e, 2 * i, h), "w2": (e, h, i)}
         return out | ({"shared13": (2 * s, h), "shared2": (h, s)} if s else {})
 
+    @staticmethod
+    def cuts(spec: ModelSpec, tp: TensorParallel) -> dict[str, Cut]:
+        """What rank `tp.rank` keeps of each weight: its share of every expert's width, or with
+        `tp.expert_parallel` its share of the experts; the shared experts' width; no router cut.
+        ConfigError naming the width or the expert count that tp does not divide."""
+        out: dict[str, Cut] = {}
+        if tp.expert_parallel:
+            mine = tp.part(spec.experts, f"{spec.name}'s routed experts (expert parallelism)")
+            out["w13"], out["w2"] = Cut(0, (mine,)), Cut(0, (mine,))
+        else:
+            width = f"{spec.name}'s expert width (moe_intermediate)"
+            out["w13"], out["w2"] = swiglu_cuts(spec.moe_intermediate, tp, width, dim=1)
+        if spec.shared_experts:
+            shared = spec.shared_experts * spec.moe_intermediate
+            what = f"{spec.name}'s shared-expert width ({spec.shared_experts} x moe_intermediate)"
+            out["shared13"], out["shared2"] = swiglu_cuts(shared, tp, what)
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output; under tp, this rank's partial sum (to be all-reduced)."""
         weights, ids = route(F.linear(x, self.router), self.routing, self.bias)
-        out = experts_reference(x, weights, ids, self.w13, self.w2)
+        out = experts_reference(x, weights, ids, self.w13, self.w2, self.first)
         if self.shared is not None:
             out = out + swiglu(x, *self.shared)
         return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.errors import ConfigError
-from disagg.hw.attention import AttnShape, FlashInferAttention, make_attention
+from disagg.hw.attention import FlashInferAttention, make_attention
 from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import on_device
@@ -196,7 +196,7 @@ class Runner:
         if len(cache.layers) != model.spec.layers:
             raise ConfigError(f"cache has {len(cache.layers)} layers, model {model.spec.layers}")
         self.model, self.cache, self.device = model, cache, model.device
-        self.shape = AttnShape.of(model.spec, cache.page_size, cache.layout.layout)
+        self.shape = model.attn_shape(cache.page_size, cache.layout.layout)  # this rank's heads
         self.attn = make_attention(attention, self.shape, self.device, model.dtype)
         self.counter = counter or LayerCounter(self.device)
         self.steps = 0
