@@ -669,6 +669,73 @@ def plan_cmd(
     say(f"wrote {', '.join(str(f) for f in result.files)}")
 
 
+@app.command("validate")
+@guarded
+def validate_cmd(
+    experiments: Annotated[
+        list[Path],
+        typer.Argument(help="Experiment TOML files; one: it and its other mode (colocated/disagg)"),
+    ],
+    device: Annotated[str, typer.Option(help="cpu or cuda:N: profiled; runs every server")] = "cpu",
+    out: Annotated[Path, typer.Option(help="Directory for the runs and the report")] = Path(
+        "runs/validate"
+    ),
+    tolerance: Annotated[
+        str | None,
+        typer.Option(
+            help="Percent by metric, judged on the profile replay, e.g. ttft_p50=5,tpot_p50=3 "
+            "(ttft_p50, ttft_p90, tpot_p50, tpot_p90, itl_p99, output_throughput): exit 1 "
+            "when a cell misses"
+        ),
+    ] = None,
+    rates: Annotated[
+        str | None,
+        typer.Option(help="Loads in requests/s, e.g. 2,4,6 (default: 25/50/85% of capacity)"),
+    ] = None,
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="Requests per run (workload.num_requests)")
+    ] = None,
+    wire: Wire = None,
+    grid_points: Annotated[int, typer.Option(min=1, help="Profiled values per axis")] = 3,
+    set_: Overrides = None,
+    sim_set: Annotated[
+        list[str] | None,
+        typer.Option(help="Override a setting of the replays only (repeatable), e.g. hardware.nic"),
+    ] = None,
+) -> None:
+    """Say how far the simulator is from the real backend: profile the device, run the hw
+    backend colocated and disaggregated at several loads, replay each run with the profile and
+    with the roofline, write fidelity.csv, fidelity.md and plots."""
+    from disagg.fidelity import parse_tolerances
+
+    tolerances = parse_tolerances(tolerance)
+    try:
+        loads = tuple(float(r) for r in rates.split(",")) if rates is not None else None
+    except ValueError:
+        raise ConfigError(f"--rates {rates!r}: give comma-separated requests/s") from None
+    check_out_dir(out)
+    _hw_missing()
+    from disagg.validate import Options, validate
+
+    opts = Options(
+        device=device,
+        wire=wire,
+        rates=loads,
+        requests=requests,
+        grid_points=grid_points,
+        overrides=tuple(set_ or []),
+        sim_overrides=tuple(sim_set or []),
+    )
+    report = validate(experiments, out, tolerances, opts, say)
+    say(f"wrote {', '.join(str(f) for f in report.files)}")
+    for miss in report.missed:
+        say(f"missed: {miss}")
+    if report.verdicts:
+        say(f"{len(report.verdicts) - len(report.missed)} of {len(report.verdicts)} cells met")
+    if report.missed:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console script entry
     app()
 

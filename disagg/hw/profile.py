@@ -1,16 +1,17 @@
 """Measure step times of the real model: the table the simulator's cost model is calibrated on.
 
 `profile` times prefill steps over (new tokens x cached tokens) for one sequence, and decode
-steps over (batch x cached tokens per sequence), each the median of `repeats` runs after
-`warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the model cut to
-`layers` layers. Columns: kind ("prefill" / "decode"), tokens (new tokens in the step: prefill
-tokens, or the decode batch), batch, context (cached tokens per sequence), duration_s.
+steps over (batch x cached tokens per sequence), each the median (or `reduce`) of `repeats`
+runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the
+model cut to `layers` layers. Columns: kind ("prefill" / "decode"), tokens (new tokens in the
+step: prefill tokens, or the decode batch), batch, context (cached tokens per sequence),
+duration_s.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -55,8 +56,11 @@ def profile(
     repeats: int = 5,
     seed: int = 0,
     attention: str = "auto",
+    reduce: Callable[[list[float]], float] = statistics.median,
 ) -> pd.DataFrame:
-    """Median step durations over the grids (see the module doc for the columns)."""
+    """Step durations over the grids, each `reduce` (default: the median) of its `repeats`
+    times (see the module doc for the columns). `min` suits a shared CPU, where a run of the
+    same shape is now and then stalled by other processes."""
     dev = resolve_device(device)
     model = Transformer(spec.with_layers(layers), seed=seed, device=dev)
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
@@ -71,7 +75,7 @@ def profile(
             batch, tokens = (1, a) if new is None else (a, 1)
             seqs = _seqs(batch, tokens, c, page_size, spec.vocab)
             times = time_it(partial(runner.step, seqs), dev, warmup=warmup, repeats=repeats)
-            rows.append((kind, tokens * batch, batch, c, statistics.median(times)))
+            rows.append((kind, tokens * batch, batch, c, reduce(times)))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

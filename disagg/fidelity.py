@@ -1,0 +1,240 @@
+"""How far the simulator is from the real backend: sim/hw ratios, tolerances, the report files.
+
+A fidelity table has one row per (run, metric): the metric's value measured by the hw backend
+(`hw`) and in the run's two replays, with a measured step-time profile (`sim_profile`) and with
+the roofline (`sim_roofline`). Metrics are summary keys (disagg/core/metrics.py `summarize`).
+A tolerance is a percentage by metric; it is judged on the profile replay (the calibrated
+simulator): met when |sim_profile / hw - 1| * 100 <= tolerance. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from disagg.errors import ConfigError
+
+# the tolerance's name for a metric -> its summary key, in the report's order
+METRICS: dict[str, str] = {
+    "ttft_p50": "ttft_s_p50",
+    "ttft_p90": "ttft_s_p90",
+    "tpot_p50": "tpot_s_p50",
+    "tpot_p90": "tpot_s_p90",
+    "itl_p99": "itl_s_p99",
+    "output_throughput": "output_throughput",
+}
+LABELS = {
+    "ttft_s_p50": "TTFT p50",
+    "ttft_s_p90": "TTFT p90",
+    "tpot_s_p50": "TPOT p50",
+    "tpot_s_p90": "TPOT p90",
+    "itl_s_p99": "ITL p99",
+    "output_throughput": "output tok/s",
+}
+SOURCES = ("sim_profile", "sim_roofline")
+COLUMNS = ["run", "metric", "hw", *SOURCES]
+
+
+def parse_tolerances(text: str | None) -> dict[str, float]:
+    """`ttft_p50=5,tpot_p50=3%` -> {summary key: percent}, in the order given. A name is one of
+    METRICS' names or its summary key; a percent is a finite number >= 0 (a trailing % is
+    allowed). ConfigError naming the item for anything else."""
+    out: dict[str, float] = {}
+    keys = set(METRICS.values())
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = (s.strip() for s in item.partition("="))
+        if not sep:
+            raise ConfigError(f"--tolerance {item.strip()!r}: expected METRIC=PERCENT")
+        key = METRICS.get(name, name if name in keys else None)
+        if key is None:
+            known = ", ".join(METRICS)
+            raise ConfigError(f"--tolerance {name!r}: unknown metric; known: {known}")
+        try:
+            pct = float(value.removesuffix("%"))
+        except ValueError:
+            pct = math.nan
+        if not math.isfinite(pct) or pct < 0:
+            raise ConfigError(f"--tolerance {name}={value!r}: give a percentage >= 0")
+        out[key] = pct
+    return out
+
+
+def fidelity_table(runs: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> pd.DataFrame:
+    """The table of COLUMNS from each run's summaries by source ("hw", "sim_profile",
+    "sim_roofline"), one row per run and metric (METRICS' order); a value a summary lacks is
+    NaN."""
+    rows = [
+        (run, key, *(_value(by_source.get(s, {}), key) for s in ("hw", *SOURCES)))
+        for run, by_source in runs.items()
+        for key in METRICS.values()
+    ]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _value(summary: Mapping[str, Any], key: str) -> float:
+    v = summary.get(key)
+    return float(v) if isinstance(v, int | float) else math.nan
+
+
+def ratio(sim: float, hw: float) -> float:
+    """sim / hw; NaN when either is NaN or hw is 0."""
+    if hw == 0 or math.isnan(hw) or math.isnan(sim):
+        return math.nan
+    return sim / hw
+
+
+def ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """run, metric and one column per source: sim / hw."""
+    out = table[["run", "metric"]].copy()
+    for s in SOURCES:
+        out[s] = [ratio(a, b) for a, b in zip(table[s], table.hw, strict=True)]
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One (run, metric) cell judged against its tolerance (percent)."""
+
+    run: str
+    metric: str
+    ratio: float
+    tolerance_pct: float
+
+    @property
+    def error_pct(self) -> float:
+        return abs(self.ratio - 1) * 100
+
+    @property
+    def met(self) -> bool:
+        """Within the tolerance; an error equal to it, up to float rounding, is within."""
+        return not math.isnan(self.ratio) and self.error_pct <= self.tolerance_pct + 1e-9
+
+    def __str__(self) -> str:
+        got = "no ratio" if math.isnan(self.ratio) else f"sim/hw {self.ratio:.4g}"
+        return f"{self.run} {self.metric}: {got}, tolerance {self.tolerance_pct:g}%"
+
+
+def judge(table: pd.DataFrame, tolerances: Mapping[str, float]) -> list[Verdict]:
+    """Every cell of a metric with a tolerance, judged on its profile replay, in table order."""
+    r = ratios(table)
+    return [
+        Verdict(run, metric, value, tolerances[metric])
+        for run, metric, value in zip(r.run, r.metric, r.sim_profile, strict=True)
+        if metric in tolerances
+    ]
+
+
+def _cell(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4g}"
+
+
+def markdown(table: pd.DataFrame, verdicts: list[Verdict]) -> str:
+    """The report: sim/hw ratios per run and metric (profile / roofline), then each judged cell
+    and whether its tolerance was met."""
+    r = ratios(table)
+    metrics = list(dict.fromkeys(r.metric))
+    lines = [
+        "# Fidelity: simulated over measured",
+        "",
+        "Each cell is sim/hw, with the measured profile / with the roofline.",
+        "",
+        "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for run, g in r.groupby("run", sort=False):
+        pairs = zip(g.sim_profile, g.sim_roofline, strict=True)
+        cells = [f"{_cell(p)} / {_cell(q)}" for p, q in pairs]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    lines += ["", "## Tolerances (on the profile replay)", ""]
+    if not verdicts:
+        lines.append("None given (`--tolerance METRIC=PERCENT,...`).")
+    else:
+        met = sum(v.met for v in verdicts)
+        lines += [
+            f"{met} of {len(verdicts)} cells met.",
+            "",
+            "| run | metric | sim/hw | error % | tolerance % | met |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        for v in verdicts:
+            err = _cell(v.error_pct)
+            cells = [v.run, v.metric, _cell(v.ratio), err, f"{v.tolerance_pct:g}"]
+            lines.append("| " + " | ".join(cells) + f" | {'yes' if v.met else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(table: pd.DataFrame, tolerances: Mapping[str, float], out: Path) -> list[Verdict]:
+    """Write out/fidelity.csv and out/fidelity.md; return the verdicts (judge)."""
+    verdicts = judge(table, tolerances)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "fidelity.csv", index=False)
+    (out / "fidelity.md").write_text(markdown(table, verdicts))
+    return verdicts
+
+
+def plot_ratios(table: pd.DataFrame, path: Path) -> Path:
+    """One panel per metric: each run's sim/hw ratio with the profile and with the roofline
+    (log scale, 1 marked); returns `path`."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    r = ratios(table)
+    metrics, runs = list(dict.fromkeys(r.metric)), list(dict.fromkeys(r.run))
+    cols = min(3, len(metrics))
+    rows = -(-len(metrics) // cols)
+    width = max(3.0, 0.5 * len(runs) + 1.5)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width * cols, 3.8 * rows), squeeze=False, sharey=True
+    )
+    x = np.arange(len(runs))
+    for ax in axes.flat[len(metrics) :]:
+        ax.set_visible(False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        g = r[r.metric == metric].set_index("run").reindex(runs)
+        for i, source in enumerate(SOURCES):
+            ax.bar(x + (i - 0.5) * 0.4, g[source], 0.4, label=source.removeprefix("sim_"))
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(x, runs, rotation=60, ha="right", fontsize=7)
+        ax.set_title(LABELS.get(metric, metric), fontsize=9)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, axis="y")
+    for row in axes:
+        row[0].set_ylabel("sim / hw")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_cdfs(requests: Mapping[str, Mapping[str, pd.DataFrame]], path: Path) -> Path:
+    """TTFT (top) and TPOT (bottom) CDFs of each run (a column), hw and the replays overlaid:
+    `requests[run][source]` is a requests table; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    from disagg.plots import _cdf
+
+    runs = list(requests)
+    fig, axes = plt.subplots(2, len(runs), figsize=(3.4 * len(runs), 6.2), squeeze=False)
+    for j, run in enumerate(runs):
+        for i, (column, name) in enumerate((("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"))):
+            ax = axes[i][j]
+            for source, req in requests[run].items():
+                _cdf(ax, req[req.status == "finished"][column] * 1e3, source)
+            ax.set_title(run, fontsize=9)
+            ax.set_xlabel(name)
+            ax.grid(alpha=0.3)
+        axes[0][j].legend(fontsize=7)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[1][0].set_ylabel("fraction of requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,267 @@
+"""`disagg validate`: measure how far the simulator is from the real backend.
+
+Stages, each announced through `say`:
+1. profile the device for the experiments' model (`disagg.hw.profile.profile`) over the grid
+   their workloads reach: prefill chunks x cached context, decode batch x context;
+2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
+   experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
+3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
+   (`cost.source=profile:FILE`) and once with the roofline;
+4. write fidelity.csv / fidelity.md and the plots (disagg.fidelity) under `out`.
+
+On the CPU the hw runs record the CPU as their hardware (a custom GPU of the matmul rate and
+copy bandwidth measured here) and the tcp wire as a nominal loopback NIC, so the roofline
+replay has a device to model; accuracy there is not the point, the arithmetic is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from disagg.config import Experiment, load_experiment
+from disagg.errors import ConfigError
+from disagg.fidelity import Verdict, fidelity_table, plot_cdfs, plot_ratios, write_report
+from disagg.validate_plan import (
+    DEFAULT_LOADS,
+    capacity_per_s,
+    other_mode,
+    plan_runs,
+    profile_grid,
+)
+
+# the tcp wire between two processes of one host, as the simulator's NIC (nominal figures)
+TCP_LOOPBACK = {
+    "name": "tcp-loopback",
+    "bandwidth_gbps": 10.0,
+    "latency_s": 50e-6,
+    "op_cost_s": 1e-6,
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How `validate` runs. `rates`: requests/s of each load (None: DEFAULT_LOADS of the
+    capacity the profile implies); `requests`: workload.num_requests of every run (None: the
+    experiment's); `overrides` apply to every experiment (hw runs and so their replays),
+    `sim_overrides` to the replays only; `grid_points`: values per profiled axis."""
+
+    device: str = "cpu"
+    wire: str | None = None  # None: tcp on the CPU, cuda on a GPU
+    rates: tuple[float, ...] | None = None
+    requests: int | None = None
+    grid_points: int = 3
+    warmup: int = 1
+    repeats: int = 5
+    overrides: tuple[str, ...] = ()
+    sim_overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        rates = self.rates
+        if rates is not None and (not rates or any(not 0 < r < math.inf for r in rates)):
+            given = ",".join(f"{r:g}" for r in rates)
+            raise ConfigError(f"--rates {given!r}: give request rates > 0")
+        if self.grid_points < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ConfigError(
+                f"grid_points={self.grid_points}, repeats={self.repeats}, warmup={self.warmup}: "
+                "need at least one point and one repeat"
+            )
+
+
+@dataclass
+class Report:
+    table: pd.DataFrame  # disagg.fidelity.COLUMNS
+    verdicts: list[Verdict]
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def missed(self) -> list[Verdict]:
+        return [v for v in self.verdicts if not v.met]
+
+
+@contextlib.contextmanager
+def server_threads(device: str) -> Iterator[None]:
+    """On the CPU, torch's threads as a CPU server of the hw backend sets them (half the cores:
+    it shares them with its peer), restored after; nothing on a GPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_hardware(weight_dtype: str) -> dict[str, Any]:
+    """This CPU as the simulator's GPU, as a server's threads see it: the float32 matmul rate,
+    and the copy bandwidth scaled to the bytes the roofline counts (it charges `weight_dtype`
+    bytes; the CPU runs float32)."""
+    import torch
+
+    from disagg.hw.device import time_it
+    from disagg.models import dtype_bytes
+
+    cpu = torch.device("cpu")
+    a = torch.randn(1024, 1024)
+    src = torch.ones(16 << 20)  # 64 MiB of float32
+    dst = torch.empty_like(src)
+    with server_threads("cpu"):
+        matmul_s = min(time_it(partial(torch.mm, a, a), cpu, warmup=2, repeats=5))
+        copy_s = min(time_it(partial(dst.copy_, src), cpu, warmup=1, repeats=5))
+    bandwidth = 2 * src.numel() * 4 / copy_s * dtype_bytes(weight_dtype) / 4  # read + write
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "name": "cpu-measured",
+        "bf16_flops": 2 * 1024**3 / matmul_s,
+        "hbm_bandwidth_bps": bandwidth,
+        "hbm_bytes": int(memory),
+        "nvlink_bandwidth_bps": bandwidth,
+    }
+
+
+def prepare(paths: Sequence[Path], opts: Options) -> list[Experiment]:
+    """The experiments to run, each as the hw backend runs it on `opts.device`: one path gives
+    it and its other mode. ConfigError naming the experiment that cannot run there."""
+    from disagg.hw.driver import check_hw_experiment, hw_experiment
+
+    if not paths:
+        raise ConfigError("validate needs an experiment (e.g. experiments/tiny-disagg.toml)")
+    cpu = opts.device == "cpu"
+    wire = opts.wire or ("tcp" if cpu else "cuda")
+    dev = [f"hw.prefill_device={opts.device}", f"hw.decode_device={opts.device}"]
+    flags = [*opts.overrides, *dev, f"hw.wire={wire}"]
+    if opts.requests is not None:
+        flags.append(f"workload.num_requests={opts.requests}")
+    exps = [load_experiment(p, flags) for p in paths]
+    if len(exps) == 1:
+        exps.append(other_mode(exps[0]))
+    for exp, where in zip(exps, [*map(str, paths), f"{paths[0]} (other mode)"], strict=False):
+        if exp.workload.trace is not None:
+            raise ConfigError(f"{where}: workload.trace is set; validate sets loads by rate")
+        if exp.model != exps[0].model:
+            raise ConfigError(f"{where}: model differs from {paths[0]}'s (one profile for all)")
+        try:
+            check_hw_experiment(hw_experiment(exp))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: not runnable on the hw backend: {e}") from None
+    if cpu:  # recorded in each run's experiment.json: the device its replays model
+        gpu = json.dumps(cpu_hardware(exps[0].model.weight_dtype))
+        hardware = [f"hardware.gpu={gpu}", f"hardware.nic={json.dumps(TCP_LOOPBACK)}"]
+        exps = [e.updated(*hardware) for e in exps]
+    return [hw_experiment(e) for e in exps]
+
+
+def replay(run_dir: Path, overrides: list[str], out: Path) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Simulate the run of `run_dir` as it ran (with `overrides`); write its results to `out`;
+    return (summary, requests table)."""
+    from disagg.core.metrics import (
+        requests_table,
+        steps_table,
+        summarize,
+        transfers_table,
+        write_results,
+    )
+    from disagg.sim.cluster import Sim
+
+    exp = load_experiment(run_dir, overrides)
+    start = time.perf_counter()
+    sim = Sim(exp)
+    sim.run()
+    req, steps = requests_table(sim.requests.values()), steps_table(sim.rec)
+    xfers = transfers_table(sim.rec)
+    wall = time.perf_counter() - start
+    summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
+    summary["experiment"] = exp.name
+    write_results(out, req, steps, xfers, summary)
+    (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
+    return summary, req
+
+
+def _rates(
+    exps: Sequence[Experiment], csv: Path, opts: Options, say: Callable[[str], None]
+) -> tuple[float, ...]:
+    if opts.rates is not None:
+        return opts.rates
+    coloc = next((e for e in exps if e.cluster.mode == "colocated"), exps[0])
+    cap = capacity_per_s(coloc, csv)
+    rates = tuple(float(f"{cap * f:.3g}") for f in DEFAULT_LOADS)
+    loads = ", ".join(f"{r:g}" for r in rates)
+    say(f"capacity by the profile: {cap:.3g} req/s colocated; loads {loads} req/s")
+    return rates
+
+
+def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.DataFrame:
+    """Profile the experiments' model on `opts.device` over their grid; write it to `csv`. On
+    the CPU with the threads a CPU server gets (half the cores) and the fastest of the repeats
+    (a shared CPU stalls some)."""
+    from disagg.hw.profile import profile, write_csv
+
+    spec, cpu = exps[0].model.spec, opts.device == "cpu"
+    with server_threads(opts.device):
+        df = profile(
+            spec,
+            spec.layers,
+            opts.device,
+            warmup=opts.warmup,
+            repeats=opts.repeats,
+            page_size=exps[0].kv.page_size,
+            attention=exps[0].hw.attention,
+            reduce=min if cpu else statistics.median,
+            **asdict(profile_grid(exps, opts.grid_points)),
+        )
+    write_csv(df, csv)
+    return df
+
+
+def validate(
+    paths: Sequence[Path],
+    out: Path,
+    tolerances: dict[str, float],
+    opts: Options = Options(),
+    say: Callable[[str], None] = print,
+) -> Report:
+    """Run the stages of the module doc; write the report under `out`; return it."""
+    from disagg.hw.driver import run_hw
+
+    exps = prepare(paths, opts)
+    spec, csv = exps[0].model.spec, (out / "profile.csv").resolve()
+    grid = profile_grid(exps, opts.grid_points)
+    say(f"profile: {spec.name} ({spec.layers} layers) on {opts.device}, grid {grid}")
+    start = time.perf_counter()
+    df = measure_profile(exps, opts, csv)
+    say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
+    runs = plan_runs(exps, _rates(exps, csv, opts, say))
+    summaries: dict[str, dict[str, dict[str, Any]]] = {}
+    requests: dict[str, dict[str, pd.DataFrame]] = {}
+    for i, run in enumerate(runs, 1):
+        rate = run.exp.workload.rate_per_s
+        say(f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)")
+        hw_dir = out / "hw" / run.label
+        summaries[run.label] = {"hw": run_hw(run.exp, hw_dir)[0]}
+        requests[run.label] = {"hw": pd.read_parquet(hw_dir / "requests.parquet")}
+    for i, run in enumerate(runs, 1):
+        for source, cost in (("sim_profile", f"profile:{csv}"), ("sim_roofline", "roofline")):
+            say(f"replay {i}/{len(runs)}: {run.label} ({source.removeprefix('sim_')})")
+            overrides = [*opts.sim_overrides, f"cost.source={cost}"]
+            where = out / source.replace("_", "-") / run.label
+            summary, req = replay(out / "hw" / run.label, overrides, where)
+            summaries[run.label][source], requests[run.label][source] = summary, req
+    table = fidelity_table(summaries)
+    report = Report(table, write_report(table, tolerances, out))
+    report.files = [out / "fidelity.csv", out / "fidelity.md"]
+    report.files.append(plot_ratios(table, out / "fidelity_ratios.png"))
+    report.files.append(plot_cdfs(requests, out / "fidelity_cdfs.png"))
+    return report

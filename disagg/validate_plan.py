@@ -1,0 +1,143 @@
+"""What `disagg validate` runs: the profile grid an experiment's workload reaches, the loads
+(from the capacity a profile implies), and the runs (each experiment at each load). No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disagg.config import Experiment, build_experiment
+from disagg.core.workload import Arrival, generate
+from disagg.errors import ConfigError
+
+DEFAULT_LOADS = (0.25, 0.5, 0.85)  # fractions of the colocated capacity the profile implies
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str  # the run's name in the report and its directory
+    exp: Experiment
+
+
+def log_grid(low: int, high: int, points: int) -> tuple[int, ...]:
+    """`points` log-spaced whole numbers from `low` to `high` (both kept), without repeats."""
+    if high <= low:
+        return (low,)
+    if points < 2:
+        return (high,)
+    values = np.rint(np.geomspace(low, high, points)).astype(int)
+    return tuple(sorted({int(v) for v in values} | {low, high}))
+
+
+def other_mode(exp: Experiment) -> Experiment:
+    """`exp` in the other cluster mode, on the same budgets: colocated gets the prefill group's
+    token budget and the decode group's batch limit, and the reverse."""
+    data = exp.model_dump(mode="json")
+    c = exp.cluster
+    if c.mode == "colocated":
+        g = {"nodes": 1, "tp": 1, "dp": 1}
+        groups = {
+            "prefill": g | {"token_budget": c.colocated.token_budget},
+            "decode": g | {"max_batch": c.colocated.max_batch},
+        }
+        mode = "disagg"
+    else:
+        one = {"nodes": 1, "tp": 1, "dp": 1, "token_budget": c.prefill.token_budget}
+        groups, mode = {"colocated": one | {"max_batch": c.decode.max_batch}}, "colocated"
+    data["cluster"] = {"mode": mode, "router": data["cluster"]["router"], **groups}
+    data["name"] = f"{exp.name}-{mode}"
+    return build_experiment(data, source=f"{exp.name} in cluster.mode={mode!r}")
+
+
+def _arrivals(exp: Experiment) -> list[Arrival]:
+    return generate(exp.workload, exp.seed, Path(exp.base_dir))
+
+
+def _group(exp: Experiment, kind: str) -> Any:
+    groups = exp.cluster.groups
+    return groups.get("colocated") or groups[kind]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The shapes `disagg.hw.profile.profile` measures (its arguments of the same names)."""
+
+    prefill_tokens: tuple[int, ...]
+    prefill_context: tuple[int, ...]
+    decode_batch: tuple[int, ...]
+    decode_context: tuple[int, ...]
+
+    def __str__(self) -> str:
+        def join(v: tuple[int, ...]) -> str:
+            return ",".join(map(str, v))
+
+        return (
+            f"prefill {join(self.prefill_tokens)} tokens x {join(self.prefill_context)} cached; "
+            f"decode batch {join(self.decode_batch)} x {join(self.decode_context)} context"
+        )
+
+
+def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
+    """The profile grid the experiments' workloads reach: prefill chunks of the shortest prompt
+    to the largest token budget (or longest prompt), after 0 cached tokens or as many as a
+    last chunk of the longest prompt has; decode batches of 1 to the batch limit (or the
+    number of requests), at the shortest prompt's to the longest request's context."""
+    prompts, totals, chunks, batches = [], [], [], []
+    for exp in exps:
+        arrivals = _arrivals(exp)
+        prompts += [a.prompt_tokens for a in arrivals]
+        totals += [a.prompt_tokens + a.output_tokens for a in arrivals]
+        chunks.append(_group(exp, "prefill").token_budget)
+        batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
+    top = min(max(chunks), max(prompts))
+    cached = max(prompts) - min(chunks)
+    return Grid(
+        prefill_tokens=log_grid(min(min(prompts), top), top, points),
+        prefill_context=(0, cached) if cached > 0 else (0,),
+        decode_batch=log_grid(1, max(batches), points),
+        decode_context=log_grid(min(prompts), max(totals), 2),
+    )
+
+
+def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
+    """Requests/s one colocated server of `exp` keeps up with by the profile, roughly: each
+    request's prefill chunks, plus its share of decode passes at the full batch."""
+    from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs
+
+    cost = ProfileCost(profile_csv)
+    arrivals = _arrivals(exp)
+    prompt = float(np.mean([a.prompt_tokens for a in arrivals]))
+    output = float(np.mean([a.output_tokens for a in arrivals]))
+    budget = _group(exp, "prefill").token_budget
+    prefill_s = 0.0
+    for start in range(0, round(prompt), budget):
+        n = min(budget, round(prompt) - start)
+        shape = StepShape(prefill_tokens=n, prefill_attn_pairs=chunk_attn_pairs(start, n))
+        prefill_s += cost.step_time(shape)
+    batch = min(_group(exp, "decode").max_batch, len(arrivals))
+    context = batch * (prompt + output / 2)
+    decode_s = cost.step_time(StepShape(decode_seqs=batch, decode_context=context))
+    return 1 / (prefill_s + output * decode_s / batch)
+
+
+def plan_runs(exps: Sequence[Experiment], rates: Sequence[float]) -> list[Run]:
+    """Every experiment at every rate, labelled MODE-RATErps (by name where modes repeat)."""
+    modes = [e.cluster.mode for e in exps]
+    by_mode = len(set(modes)) == len(modes)
+    runs = [
+        Run(
+            f"{e.cluster.mode if by_mode else e.name}-{r:g}rps",
+            e.updated(f"workload.rate_per_s={r}"),
+        )
+        for e in exps
+        for r in rates
+    ]
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"experiments share a name: runs {labels} would collide; rename them")
+    return runs

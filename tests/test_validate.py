@@ -1,0 +1,275 @@
+"""`disagg validate`: the sim/hw ratios and tolerances (hand-built summaries, exact values), the
+plan of what it runs, and one small end-to-end run of the real backend on this CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from disagg.config import load_experiment
+from disagg.errors import ConfigError
+from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
+from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+TINY = EXPERIMENTS / "tiny-disagg.toml"
+
+HW = {
+    "ttft_s_p50": 0.100,
+    "ttft_s_p90": 0.200,
+    "tpot_s_p50": 0.010,
+    "tpot_s_p90": 0.020,
+    "itl_s_p99": 0.040,
+    "output_throughput": 1000.0,
+}
+PROFILE = {
+    "ttft_s_p50": 0.104,
+    "ttft_s_p90": 0.150,
+    "tpot_s_p50": 0.0097,
+    "tpot_s_p90": 0.021,
+    "itl_s_p99": 0.040,
+    "output_throughput": 990.0,
+}
+ROOFLINE = {k: 2 * v for k, v in HW.items()}
+
+
+def runs() -> dict[str, dict[str, dict[str, float]]]:
+    slow = {"hw": HW | {"tpot_s_p50": 0.0}, "sim_profile": PROFILE, "sim_roofline": ROOFLINE}
+    return {"a": {"hw": HW, "sim_profile": PROFILE, "sim_roofline": ROOFLINE}, "b": slow}
+
+
+def test_tolerances_parse_by_name_or_summary_key() -> None:
+    got = parse_tolerances(" ttft_p50=5, tpot_s_p90=3%,output_throughput=0.0001 ,")
+    assert got == {"ttft_s_p50": 5.0, "tpot_s_p90": 3.0, "output_throughput": 0.0001}
+    assert parse_tolerances(None) == {} == parse_tolerances("")
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("ttft_p50", r"--tolerance 'ttft_p50': expected METRIC=PERCENT"),
+        ("ttft_p99=5", r"--tolerance 'ttft_p99': unknown metric; known: ttft_p50, ttft_p90"),
+        ("tpot_p50=fast", r"--tolerance tpot_p50='fast': give a percentage >= 0"),
+        ("tpot_p50=-1", r"--tolerance tpot_p50='-1': give a percentage >= 0"),
+        ("tpot_p50=nan", r"--tolerance tpot_p50='nan': give a percentage >= 0"),
+    ],
+)
+def test_a_bad_tolerance_is_an_error_naming_it(text: str, said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        parse_tolerances(text)
+
+
+def test_the_table_has_a_row_per_run_and_metric_with_each_backends_value() -> None:
+    table = fidelity_table(runs())
+    assert list(table.columns) == COLUMNS == ["run", "metric", "hw", "sim_profile", "sim_roofline"]
+    assert list(table.run) == ["a"] * 6 + ["b"] * 6
+    assert list(table.metric[:6]) == list(HW)
+    row = table.iloc[2]
+    assert (row.run, row.metric, row.hw, row.sim_profile, row.sim_roofline) == (
+        "a",
+        "tpot_s_p50",
+        0.010,
+        0.0097,
+        0.020,
+    )
+    missing = fidelity_table({"c": {"hw": {"ttft_s_p50": 1.0}}})
+    assert missing.hw.iloc[0] == 1.0 and missing.sim_profile.isna().all()
+
+
+def test_tolerances_are_judged_on_the_profile_replay() -> None:
+    """|sim/hw - 1| within the percent; an error equal to the tolerance meets it (0.97 against
+    3%, despite float rounding); no ratio (hw 0) misses."""
+    tol = {"ttft_s_p50": 5.0, "tpot_s_p50": 3.0, "tpot_s_p90": 3.0, "output_throughput": 1.0}
+    verdicts = judge(fidelity_table(runs()), tol)
+    cells = [(v.run, v.metric, v.met) for v in verdicts]
+    assert cells == [
+        ("a", "ttft_s_p50", True),  # 1.04
+        ("a", "tpot_s_p50", True),  # 0.97: exactly 3%
+        ("a", "tpot_s_p90", False),  # 1.05
+        ("a", "output_throughput", True),  # 0.99
+        ("b", "ttft_s_p50", True),
+        ("b", "tpot_s_p50", False),  # hw 0: no ratio
+        ("b", "tpot_s_p90", False),
+        ("b", "output_throughput", True),
+    ]
+    assert [v.ratio for v in verdicts[:4]] == pytest.approx([1.04, 0.97, 1.05, 0.99], abs=1e-12)
+    assert math.isnan(verdicts[5].ratio)
+    assert str(verdicts[2]) == "a tpot_s_p90: sim/hw 1.05, tolerance 3%"
+    assert str(verdicts[5]) == "b tpot_s_p50: no ratio, tolerance 3%"
+
+
+def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
+    table = fidelity_table(runs())
+    text = markdown(table, judge(table, {"ttft_s_p90": 10.0}))
+    assert "| run | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | ITL p99 | output tok/s |" in text
+    assert "| a | 1.04 / 2 | 0.75 / 2 | 0.97 / 2 | 1.05 / 2 | 1 / 2 | 0.99 / 2 |" in text
+    assert "| b | 1.04 / 2 | 0.75 / 2 | - / - | 1.05 / 2 | 1 / 2 | 0.99 / 2 |" in text
+    assert "0 of 2 cells met." in text
+    assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** |" in text
+    assert "None given" in markdown(table, [])
+
+
+def test_log_grid_keeps_both_ends_without_repeats() -> None:
+    assert log_grid(1, 16, 3) == (1, 4, 16)
+    assert log_grid(1, 2, 5) == (1, 2)
+    assert log_grid(30, 30, 3) == (30,)
+    assert log_grid(1, 64, 1) == (64,)
+
+
+def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -> None:
+    disagg = load_experiment(TINY, ["workload.num_requests=4"])
+    coloc = other_mode(disagg)
+    assert coloc.cluster.mode == "colocated" and coloc.name == "tiny-disagg-colocated"
+    assert coloc.cluster.colocated.token_budget == 64 and coloc.cluster.colocated.max_batch == 16
+    back = other_mode(coloc).cluster
+    assert (back.mode, back.prefill.token_budget, back.decode.max_batch) == ("disagg", 64, 16)
+    runs = plan_runs([disagg, coloc], [2.0, 7.5])
+    assert [r.label for r in runs] == [
+        "disagg-2rps",
+        "disagg-7.5rps",
+        "colocated-2rps",
+        "colocated-7.5rps",
+    ]
+    assert [r.exp.workload.rate_per_s for r in runs] == [2.0, 7.5, 2.0, 7.5]
+    with pytest.raises(ConfigError, match="experiments share a name"):
+        plan_runs([disagg, disagg.updated("seed=3")], [1.0])
+    from disagg.core.workload import generate
+
+    arrivals = generate(disagg.workload, disagg.seed)
+    prompts = [a.prompt_tokens for a in arrivals]
+    longest = max(a.prompt_tokens + a.output_tokens for a in arrivals)
+    grid = profile_grid([disagg, coloc], 3)
+    assert grid.prefill_tokens == log_grid(min(prompts), min(64, max(prompts)), 3)
+    assert grid.prefill_context == ((0, max(prompts) - 64) if max(prompts) > 64 else (0,))
+    assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
+    assert grid.decode_context == (min(prompts), longest)
+
+
+def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
+    tmp_path: Path,
+) -> None:
+    """64-token prompts in one 64-token chunk (4 ms), 10 output tokens each in passes of the
+    full batch of 4 (2 ms a pass, at any context): 4 + 10 * 2 / 4 = 9 ms a request."""
+    csv = tmp_path / "p.csv"
+    rows = ["kind,tokens,batch,context,duration_s", "prefill,16,1,0,0.001", "prefill,64,1,0,0.004"]
+    rows += [f"decode,{b},{b},{c},0.002" for b in (1, 4) for c in (10, 100)]
+    csv.write_text("\n".join(rows) + "\n")
+    exp = load_experiment(
+        TINY,
+        [
+            "workload.num_requests=4",
+            'workload.prompt_tokens={"dist": "fixed", "value": 64}',
+            'workload.output_tokens={"dist": "fixed", "value": 10}',
+        ],
+    )
+    assert capacity_per_s(other_mode(exp), csv) == pytest.approx(1 / 0.009, rel=1e-12)
+
+
+def _md_ratios(text: str) -> dict[str, list[tuple[float, float]]]:
+    rows = [line for line in text.splitlines() if line.startswith("| ") and " / " in line]
+    out = {}
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        pairs = [c.split(" / ") for c in cells[1:]]
+        out[cells[0]] = [(float(p), float(q)) for p, q in pairs]
+    return out
+
+
+def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
+    tmp_path: Path,
+) -> None:
+    """The tiny model, disaggregated and colocated, at two loads of four requests: every
+    (run, metric) has its row, fidelity.md's ratios are sim/hw of the csv, the plots are there;
+    a tolerance of 1000% is met (exit 0), one of 0.0001% is not (exit 1, each miss named)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+
+    common = ["--requests", "4", "--grid-points", "2", "--set", "hw.wire=tcp"]
+    out = tmp_path / "met"
+    loose = "ttft_p50=1000,tpot_p50=1000,output_throughput=1000"
+    res = CliRunner().invoke(
+        app,
+        [
+            "validate",
+            str(TINY),
+            *common,
+            "--rates",
+            "20,60",
+            "--out",
+            str(out),
+            "--tolerance",
+            loose,
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    for stage in (
+        "profile: tiny-gqa",
+        "hw run 4/4: colocated-60rps",
+        "replay 4/4: colocated-60rps (roofline)",
+    ):
+        assert stage in res.output
+    assert "12 of 12 cells met" in res.output
+    table = pd.read_csv(out / "fidelity.csv")
+    labels = ["disagg-20rps", "disagg-60rps", "colocated-20rps", "colocated-60rps"]
+    assert list(table.columns) == COLUMNS
+    assert [(r, m) for r, m in zip(table.run, table.metric, strict=True)] == [
+        (r, m) for r in labels for m in HW
+    ]
+    assert table[["hw", "sim_profile", "sim_roofline"]].notna().all().all()
+    ratios = _md_ratios((out / "fidelity.md").read_text())
+    assert list(ratios) == labels
+    for run, g in table.groupby("run"):
+        want = list(zip(g.sim_profile / g.hw, g.sim_roofline / g.hw, strict=True))
+        assert ratios[run] == [
+            (pytest.approx(p, rel=6e-4), pytest.approx(q, rel=6e-4)) for p, q in want
+        ]
+    for name in ("fidelity_ratios.png", "fidelity_cdfs.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / name).stat().st_size > 10_000
+    profiled = pd.read_csv(out / "profile.csv")
+    assert set(profiled.kind) == {"prefill", "decode"} and (profiled.duration_s > 0).all()
+    ran = json.loads((out / "hw" / "colocated-20rps" / "experiment.json").read_text())
+    assert ran["hardware"]["gpu"]["name"] == "cpu-measured"  # the replays' device
+    replayed = json.loads((out / "sim-profile" / "disagg-60rps" / "experiment.json").read_text())
+    assert replayed["cost"]["source"] == f"profile:{(out / 'profile.csv').resolve()}"
+
+    # two experiments given: each as it is, by mode; a tolerance nothing meets
+    coloc = tmp_path / "coloc.json"
+    coloc.write_text(other_mode(load_experiment(TINY)).model_dump_json())
+    out = tmp_path / "missed"
+    args = ["validate", str(TINY), str(coloc), *common, "--rates", "40", "--out", str(out)]
+    res = CliRunner().invoke(app, [*args, "--tolerance", "tpot_p50=0.0001"])
+    assert res.exit_code == 1, res.output
+    assert "missed: disagg-40rps tpot_s_p50: sim/hw" in res.output
+    assert "missed: colocated-40rps tpot_s_p50: sim/hw" in res.output
+    assert "0 of 2 cells met" in res.output
+    assert "**no**" in (out / "fidelity.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([str(EXPERIMENTS / "r1-disagg-1p3d.toml")], "r1-disagg-1p3d.toml: not runnable on the hw"),
+        ([str(TINY), "--tolerance", "ttft_p50=x"], "--tolerance ttft_p50='x'"),
+        ([str(TINY), "--tolerance", "goodput=3"], "--tolerance 'goodput': unknown metric"),
+        ([str(TINY), "--rates", "2,fast"], "--rates '2,fast': give comma-separated"),
+        ([str(TINY), "--rates", "0,nan"], "--rates '0,nan': give request rates > 0"),
+    ],
+)
+def test_validate_refuses_bad_input_naming_it(args: list[str], said: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+
+    res = CliRunner().invoke(app, ["validate", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert said in " ".join(res.output.split()), res.output
