@@ -60,10 +60,10 @@ class PagePool:
 
     def fits_ever(self, tokens: int) -> bool:
         """Whether `tokens` could fit in this pool when it is empty."""
-        return self.pages_for(tokens) <= self.num_pages
+        return -(-tokens // self.page_size) <= self.num_pages
 
     def can_allocate(self, tokens: int) -> bool:
-        return self.pages_for(tokens) <= self.free_pages
+        return -(-tokens // self.page_size) <= len(self._free) + self.num_pages - self._fresh
 
     def allocate(self, owner: int, tokens: int, *, pinned: bool = False) -> list[int]:
         """Give `owner` the pages for `tokens` more tokens; returns the new page ids."""

@@ -178,6 +178,11 @@ class _Inbound:
     received: dict[int, int] = field(default_factory=dict)
     deadline_s: float = math.inf
     cancelling: bool = False
+    # sum(expected) - sum(received): the counts can only match when it is 0
+    left: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.left = sum(self.expected.values()) - sum(self.received.values())
 
 
 class DecodeMessenger:
@@ -286,7 +291,8 @@ class DecodeMessenger:
             self.excess_immediates += count
             return []
         inb.received[rank] = got
-        if inb.received != inb.expected:
+        inb.left -= count
+        if inb.left or inb.received != inb.expected:
             return []
         self._close(slot)
         inb.req.status = Status.READY
@@ -597,25 +603,29 @@ class PrefillMessenger:
     def _live(self, req_id: int) -> bool:
         """Writes may go out: not aborted, and the decoder's pages are known."""
         out = self.outbound.get(req_id)
-        return out is not None and not out.abort_reason and out.msg is not None
+        return out is not None and not out.abort_reason and out.job.msg is not None
 
     def _post(self, c: _ScheduledChunk, layers: range, earlier: bool = False) -> PostWrites:
         out = self.outbound[c.req_id]
-        assert out.msg is not None
+        msg = out.job.msg
+        assert msg is not None
         ps = self.pool.page_size
         end = c.start + c.tokens
         first, last = c.start // ps, (end - 1) // ps
-        imm = tuple((i + 1) * ps <= end or end == out.target for i in range(first, last + 1))
+        # page i carries the immediate if the chunk completes it, or ends the prompt
+        n = last + 1 - first
+        whole = n if end == out.target else min(n, max(0, end // ps - first))
+        imm = (True,) * whole + (False,) * (n - whole)
         out.pending_posts += 1
         return PostWrites(
             c.req_id,
-            out.msg.decode_node,
-            out.msg.slot,
+            msg.decode_node,
+            msg.slot,
             layers,
             tuple(out.src_pages[first : last + 1]),
-            out.msg.dst_pages[first : last + 1],
+            msg.dst_pages[first : last + 1],
             imm,
-            out.msg.dst_rank,
+            msg.dst_rank,
             earlier,
         )
 
@@ -681,10 +691,14 @@ class PrefillMessenger:
         """Free pages of requests whose prefill and posts are all done (and whose KV has gone
         out, or never will); admit waiting ones."""
         cmds: list[Command] = []
-        in_batch = {c.req_id for c in self._batch}
+        in_batch: set[int] | None = None  # built only when a request is done
         for req_id, out in list(self.outbound.items()):
-            sent = out.msg is not None or out.abort_reason
-            if out.prefilled and sent and out.pending_posts == 0 and req_id not in in_batch:
+            sent = out.job.msg is not None or out.abort_reason
+            if not out.prefilled or out.pending_posts or not sent:
+                continue
+            if in_batch is None:
+                in_batch = {c.req_id for c in self._batch}
+            if req_id not in in_batch:
                 del self.outbound[req_id]
                 self.pool.free(req_id)
                 if out.abort_reason and out.notify:  # to the job's decoder, whose request

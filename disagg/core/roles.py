@@ -24,7 +24,7 @@ too, so a policy or a failure path behaves the same in both backends by construc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any, Protocol, cast
 
 from disagg.core import messenger as m
@@ -259,8 +259,10 @@ class DecodeRole(_Dispatch):
         }
 
     def __len__(self) -> int:
-        """Requests this node holds (what a least-loaded router compares)."""
-        return len(self.messenger) + len(self.scheduler)
+        """Requests this node holds (what a least-loaded router compares, for every node on
+        every arrival: the messenger's length is inlined)."""
+        messenger = self.messenger
+        return len(messenger.waiting) + len(messenger.inbound) + len(self.scheduler)
 
     def _send(self, cmd: m.Send) -> None:
         self.port.send("prefill", cmd.node, cmd.msg)
@@ -301,6 +303,14 @@ class DecodeRole(_Dispatch):
         cmds = self.messenger.on_immediates(slot, count, rank)
         if cmds:  # most landings complete nothing: the common case costs no dispatch
             self.dispatch(cmds)
+
+    def on_immediates_by_rank(self, slot: int, counts: Mapping[int, int]) -> None:
+        """`on_immediates(slot, count, rank)` for each rank of `counts`, in its order."""
+        landed = self.messenger.on_immediates
+        for rank, count in counts.items():
+            cmds = landed(slot, count, rank)
+            if cmds:
+                self.dispatch(cmds)
 
     def on_peer_dead(self, prefill_node: int, reason: str) -> None:
         self.dispatch(self.messenger.on_peer_dead(prefill_node, reason))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Protocol
 
 
@@ -38,7 +39,8 @@ class LeastLoaded:
         self.nodes = list(nodes)
 
     def pick(self, loads: Mapping[int, float]) -> int:
-        return min(self.nodes, key=lambda n: (loads.get(n, 0.0), n))
+        # min of (load, node) pairs: what min(nodes, key=...) picks, without a call per node
+        return min(zip(map(loads.get, self.nodes, repeat(0.0)), self.nodes, strict=True))[1]
 
 
 def pick_replica(replicas: Sequence[int], rng: random.Random) -> int:

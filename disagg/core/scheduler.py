@@ -68,7 +68,7 @@ def advance_decodes(decodes: list[Request], steps: int, tokens_per_step: float) 
         if r.generated == 0:
             first.append(r)
         r.generated = min(float(r.output_tokens), r.generated + steps * tokens_per_step)
-        if r.done:
+        if r.generated >= r.output_tokens:  # r.done
             r.status = Status.FINISHED
             finished.append(r)
     return Progress(first_token=first, finished=finished)

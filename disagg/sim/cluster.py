@@ -28,7 +28,7 @@ from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
 from disagg.core.router import Router
-from disagg.core.scheduler import Batch, steps_to_finish
+from disagg.core.scheduler import Batch
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
 from disagg.faults import (
@@ -41,6 +41,7 @@ from disagg.faults import (
     Stop,
     attribute,
 )
+from disagg.sim.clock import Clock
 from disagg.sim.costmodel import StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -72,7 +73,7 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
         else:
             fix = "the weights alone exceed a GPU: more GPUs per node (a larger tp) would fit"
         raise ConfigError(
-            f"cluster.{role}: {spec.name} does not fit on {hw.gpu}: kv.memory_fraction="
+            f"cluster.{role}: {spec.name} does not fit on {hw.gpu_spec.name}: kv.memory_fraction="
             f"{kv.memory_fraction} of {hbm / 1e9:.0f} GB is {gpu_bytes / 1e9:.1f} GB per GPU, "
             f"less than {weights / 1e9:.1f} GB of weights (tp={group.tp} x dp={group.dp}) + "
             f"kv.activation_reserve_gb={kv.activation_reserve_gb} + one KV page "
@@ -81,8 +82,8 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     if kv.pages is not None:  # as given (a hw run records the pool it ran with)
         if kv.pages > pages:
             raise ConfigError(
-                f"kv.pages={kv.pages}: a cluster.{role} node of {spec.name} on {hw.gpu} holds "
-                f"at most {pages} pages"
+                f"kv.pages={kv.pages}: a cluster.{role} node of {spec.name} on "
+                f"{hw.gpu_spec.name} holds at most {pages} pages"
             )
         return kv.pages
     return pages
@@ -112,18 +113,18 @@ class Node:
         node resumes; a dead node handles nothing."""
         if self.dead:
             return
-        if self.env.now < self.stopped_until:
+        if self.env._now < self.stopped_until:
             self._held.append(event)
         else:
             event()
 
     def stop(self, for_s: float) -> None:
         """Freeze for `for_s`: the pass in flight ends, and events are handled, at the resume."""
-        self.stopped_until = max(self.stopped_until, self.env.now + for_s)
+        self.stopped_until = max(self.stopped_until, self.env._now + for_s)
         self.env.timeout(for_s).callbacks.append(lambda _: self._resume())
 
     def _resume(self) -> None:
-        if self.dead or self.env.now < self.stopped_until:
+        if self.dead or self.env._now < self.stopped_until:
             return  # dead, or stopped again for longer
         held, self._held = self._held, []
         for event in held:
@@ -132,12 +133,12 @@ class Node:
 
     def frozen(self) -> Proc:
         """Wait while the node is stopped."""
-        while self.env.now < self.stopped_until:
-            yield self.env.timeout(self.stopped_until - self.env.now)
+        while self.env._now < self.stopped_until:
+            yield self.env.timeout(self.stopped_until - self.env._now)
 
     # -- the port
     def now(self) -> float:
-        return self.env.now
+        return self.env._now
 
     def send(self, role: str, node: int, msg: Message) -> None:
         self.sim.send(self, role, node, msg)
@@ -149,7 +150,7 @@ class Node:
     def finished(self, req: Request) -> None:
         self.sim.finished += 1
         if req.status is Status.FAILED:
-            self.sim.failed_at_s.append(self.env.now)
+            self.sim.failed_at_s.append(self.env._now)
             self.sim.lost[req.id] = req.fail_reason
 
     # -- the loop
@@ -160,7 +161,7 @@ class Node:
     def loop(self) -> Proc:
         """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
         while not self.dead:
-            if self.env.now < self.stopped_until:
+            if self.env._now < self.stopped_until:
                 yield from self.frozen()
                 continue
             batch = self.role.next_batch()
@@ -183,7 +184,7 @@ class Node:
 
     def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
         """One steps-table row for `steps` passes of `batch` that began at `t0`."""
-        took = self.env.now - t0  # all of it device time: the model has no host overhead
+        took = self.env._now - t0  # all of it device time: the model has no host overhead
         self.sim.rec.batch(self.name, kind, t0, took, batch, steps, self.cost.decode_qo, took)
 
     def _decode_run(
@@ -200,21 +201,35 @@ class Node:
         def elapsed(k: int) -> float:
             return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
 
-        n = min(steps_to_finish(r, tokens_per_step) for r in decodes)
-        t0 = self.env.now
-        yield self.env.timeout(elapsed(n)) | self.sleep()
-        steps = n
-        if self.env.now < t0 + elapsed(n) and interruptible():
-            steps = min(n, _passes_done(elapsed, self.env.now - t0, n) + 1)
-            yield self.env.timeout(t0 + elapsed(steps) - self.env.now)
-        elif self.env.now < t0 + elapsed(n):
-            yield self.env.timeout(t0 + elapsed(n) - self.env.now)
+        # steps_to_finish of the request nearest its end
+        n = max(1, -int(-min(r.output_tokens - r.generated for r in decodes) // tokens_per_step))
+        env = self.env
+        t0, all_s = env._now, elapsed(n)
+        yield _first(env, env.timeout(all_s), self.sleep())
+        steps, now = n, env._now
+        if now < t0 + all_s and interruptible():
+            steps = min(n, _passes_done(elapsed, now - t0, n) + 1)
+            yield env.timeout(t0 + elapsed(steps) - now)
+        elif now < t0 + all_s:
+            yield env.timeout(t0 + all_s - now)
         return steps, t0 + elapsed(1)
 
 
+def _first(env: simpy.Environment, *events: simpy.Event) -> simpy.Event:
+    """An event triggered when the first of `events` is processed (`a | b`, lighter)."""
+    first = env.event()
+
+    def check(_: simpy.Event) -> None:
+        if not first.triggered:
+            first.succeed()
+
+    for event in events:
+        event.callbacks.append(check)
+    return first
+
+
 def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
-    for rank, count in imms.items():
-        decode.role.on_immediates(slot, count, rank)
+    decode.role.on_immediates_by_rank(slot, imms)
 
 
 _ENDED = (Status.FINISHED, Status.FAILED)
@@ -247,7 +262,7 @@ class PrefillNode(Node):
     def post(self, cmd: PostWrites | PostMetadata) -> None:
         """A post made during a pass takes its layers' times from the pass; one made between
         passes (metadata, a catch-up of earlier layers) starts at once."""
-        self.env.process(self.sim.post(self, cmd, self.pass_step))
+        self.sim.post(self, cmd, self.pass_step)
 
     def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
         return self.sim.requests[req_id]  # one object per request: its stamps are the table's
@@ -256,12 +271,12 @@ class PrefillNode(Node):
         pass  # stamped on the run's own request object
 
     def run_pass(self, batch: Batch) -> Proc:
-        t0 = self.env.now
+        t0 = self.env._now
         self.pass_step = (t0, self.cost.step_time(self.shape(batch)))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
         yield self.env.timeout(self.pass_step[1])
-        if self.env.now < self.stopped_until:
+        if self.env._now < self.stopped_until:
             yield from self.frozen()
         self.pass_step = None
         if self.dead:
@@ -282,19 +297,19 @@ class DecodeNode(Node):
         self.env.process(self.loop())
 
     def set_timer(self, at_s: float) -> None:
-        timer = self.env.timeout(max(0.0, at_s - self.env.now))
+        timer = self.env.timeout(max(0.0, at_s - self.env._now))
         timer.callbacks.append(lambda _: self.deliver(self.role.on_timer))
 
     def route(self, req: Request) -> int:
         return self.sim.route(req)
 
     def ready(self, req: Request) -> None:
-        self.sim.rec.landed(req.id, self.env.now)
+        self.sim.rec.landed(req.id, self.env._now)
 
     def run_pass(self, batch: Batch) -> Proc:
-        t0 = self.env.now
+        t0 = self.env._now
         steps, first_s = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
-        if self.env.now < self.stopped_until:
+        if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
             return
@@ -314,14 +329,14 @@ class ColocatedNode(Node):
         self.env.process(self.loop())
 
     def run_pass(self, batch: Batch) -> Proc:
-        t0 = self.env.now
+        t0 = self.env._now
         if batch.decode_only:
             admitting = lambda: self.role.admitting  # noqa: E731
             steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
         else:
             steps = 1
             yield self.env.timeout(self.cost.step_time(self.shape(batch)))
-        if self.env.now < self.stopped_until:
+        if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
             return
@@ -345,7 +360,7 @@ class Sim:
 
     def __init__(self, exp: Experiment) -> None:
         self.exp = exp
-        self.env = simpy.Environment()
+        self.env = Clock()
         self.rng = random.Random(exp.seed)
         self.rec = Recorder()
         self.network = Network(self.env)
@@ -390,15 +405,15 @@ class Sim:
 
     def _arrive(self) -> Proc:
         for a in self.arrivals:
-            if a.arrival_s > self.env.now:
-                yield self.env.timeout(a.arrival_s - self.env.now)
+            if a.arrival_s > self.env._now:
+                yield self.env.timeout(a.arrival_s - self.env._now)
             req = Request(a.request_id, a.arrival_s, a.prompt_tokens, a.output_tokens)
             self.requests[req.id] = req
             node = _pick(self.route_main, self.colocated or self.decodes)
             if node is None:
                 req.fail(f"no {'colocated' if self.colocated else 'decode'} node is alive")
                 self.finished += 1
-                self.failed_at_s.append(self.env.now)
+                self.failed_at_s.append(self.env._now)
             elif self.colocated:
                 self.colocated[node].deliver(partial(self.colocated[node].role.submit, req))
             else:
@@ -423,7 +438,7 @@ class Sim:
         target = self.prefills[node] if role == "prefill" else self.decodes[node]
         latency = self.exp.transfer.control_latency_s
         if self.delays:
-            now = self.env.now
+            now = self.env._now
             ends = (sender.name, target.name)
             latency += sum(d for n, t0, t1, d in self.delays if n in ends and t0 <= now < t1)
         deliver = lambda _: target.deliver(lambda: target.role.on_message(msg))  # noqa: E731
@@ -431,26 +446,29 @@ class Sim:
 
     def post(
         self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
-    ) -> Proc:
+    ) -> None:
         """Move a post's bytes; its immediates land on the decoder, then the prefill hears."""
         req = self.requests[cmd.req_id]
         pair = (node.idx, cmd.decode_node)
-        resets = self.drops.get(pair, 0)
-        yield from self.transfers.post(node.idx, req, cmd, step, self.rec)
-        decode = self.decodes[cmd.decode_node]
-        if node.dead:
-            return
-        if decode.dead or self.drops.get(pair, 0) != resets:
-            why = "it is dead" if decode.dead else "the connection was reset"
-            error = f"{node.name} -> {decode.name}: {why}"
-            node.deliver(lambda: node.role.on_posted(cmd.req_id, False, error))
-            return
-        imms = self.transfers.immediates(req, cmd)
-        if self.env.now < decode.stopped_until:  # the writes land; the count waits
-            decode.deliver(lambda: _land(decode, cmd.slot, imms))
-        else:
-            _land(decode, cmd.slot, imms)
-        node.deliver(lambda: node.role.on_posted(cmd.req_id))
+        resets = self.drops.get(pair, 0) if self.drops else 0
+
+        def moved() -> None:
+            decode = self.decodes[cmd.decode_node]
+            if node.dead:
+                return
+            if decode.dead or (self.drops and self.drops.get(pair, 0) != resets):
+                why = "it is dead" if decode.dead else "the connection was reset"
+                error = f"{node.name} -> {decode.name}: {why}"
+                node.deliver(lambda: node.role.on_posted(cmd.req_id, False, error))
+                return
+            imms = self.transfers.immediates(req, cmd)
+            if self.env._now < decode.stopped_until:  # the writes land; the count waits
+                decode.deliver(lambda: _land(decode, cmd.slot, imms))
+            else:
+                _land(decode, cmd.slot, imms)
+            node.deliver(lambda: node.role.on_posted(cmd.req_id))
+
+        self.transfers.post(node.idx, req, cmd, step, self.rec, moved)
 
     # ---- faults ------------------------------------------------------------------------------
     def _check_fault(self, fault: Fault) -> None:
@@ -483,7 +501,7 @@ class Sim:
             pair = (node.idx, self.by_name[fault.peer].idx)
             self.drops[pair] = self.drops.get(pair, 0) + 1
         elif isinstance(fault, DelayControl):
-            now = self.env.now
+            now = self.env._now
             self.delays.append((node.name, now, now + fault.for_s, fault.delay_s))
 
     def _kill(self, node: Node, reason: str) -> None:
@@ -496,7 +514,7 @@ class Sim:
                     req.fail(reason)
                     self.lost[req.id] = reason
                     self.finished += 1
-                    self.failed_at_s.append(self.env.now)
+                    self.failed_at_s.append(self.env._now)
         self.env.timeout(self.exp.hw.dead_after_s).callbacks.append(
             lambda _: self._declare_dead(node, reason)
         )
@@ -524,9 +542,9 @@ class Sim:
         """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`."""
         total = len(self.arrivals)
         while self.finished < total and self.env.peek() < math.inf:
-            self.env.run(until=self.env.now + slice_s)
+            self.env.run(until=self.env._now + slice_s)
             if progress:
-                progress(self.finished, total, self.env.now)
+                progress(self.finished, total, self.env._now)
         self.check_end()
 
     def network_summary(self) -> dict[str, float]:

@@ -84,6 +84,7 @@ class RooflineCost:
         self.dense_flops_per_token = 2 * dense_params / self.gpus
         self.dense_bytes = dense_params * self.wbytes / self.gpus
         self.step_fixed_s = cost.step_overhead_s + m.layers * cost.layer_overhead_s
+        self._lines: dict[int, tuple[float, float]] = {}  # decode_line by batch size
 
     # ---- parts -------------------------------------------------------------------------
     def _gemm(self, tokens: int) -> float:
@@ -133,6 +134,12 @@ class RooflineCost:
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
         """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K."""
+        line = self._lines.get(seqs)
+        if line is None:
+            line = self._lines[seqs] = self._decode_line(seqs)
+        return line
+
+    def _decode_line(self, seqs: int) -> tuple[float, float]:
         tokens = seqs * self.decode_qo
         a = self.step_fixed_s + self._gemm(tokens) + self._comm(tokens)
         b = max(
@@ -167,6 +174,7 @@ class ProfileCost:
         self.decode = df[df.kind == "decode"].groupby(["batch", "context"]).duration_s.median()
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
+        self._lines: dict[int, tuple[float, float]] = {}  # decode_line by batch size
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         contexts = sorted({c for c, _ in self.prefill.index})
@@ -178,6 +186,12 @@ class ProfileCost:
         return _interp_lin(context, np.array(contexts, float), np.array(per_ctx))
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
+        line = self._lines.get(seqs)
+        if line is None:
+            line = self._lines[seqs] = self._decode_line(seqs)
+        return line
+
+    def _decode_line(self, seqs: int) -> tuple[float, float]:
         batches = np.array(sorted({b for b, _ in self.decode.index}), float)
         lines = []
         for b in batches:

@@ -10,11 +10,8 @@ same plan. Plans are cached: a run draws from a few per pair of DP groups.
 from __future__ import annotations
 
 import random
-from collections.abc import Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import simpy
 
 from disagg.config import Experiment
 from disagg.core.messenger import PostMetadata, PostWrites
@@ -47,6 +44,10 @@ class PlanCost:
     metadata_bytes: int
 
 
+# a post's load: NIC work (s) and bytes by NIC, the largest work, total bytes, total ops
+_Load = tuple[dict[tuple[str, int, int], float], dict[tuple[str, int, int], int], float, int, int]
+
+
 class TransferModel:
     def __init__(self, exp: Experiment, network: Network, rng: random.Random) -> None:
         self.exp, self.network, self.rng = exp, network, rng
@@ -54,8 +55,12 @@ class TransferModel:
         self.layers = exp.model.spec.layers
         self.layerwise = exp.transfer.policy == "layerwise"
         self.plans: dict[int, PlanCost] = {}
-        self.nic_bytes: dict[tuple[str, int, int], float] = {}
+        self._posted: dict[tuple[int, int, int], int] = {}  # posts by key of `_loads`
         self._cache: dict[tuple[int, int, int], PlanCost] = {}
+        # (prefill node, id of a cached PlanCost, page-layers) -> that post's load
+        self._loads: dict[tuple[int, int, int], _Load] = {}
+        self._expected: dict[tuple[int, int], dict[int, int]] = {}  # (PlanCost id, pages)
+        self._imms: dict[tuple[int, int], dict[int, int]] = {}  # (PlanCost id, page-layers)
         c, spec = exp.cluster, exp.model.spec
         self.src: ShardLayout | None = None
         self.dst: ShardLayout | None = None
@@ -112,15 +117,54 @@ class TransferModel:
         )
 
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
-        """Immediates each decode rank counts for `req` (the decoder knows the plan)."""
-        return self.plans[req.id].plan.expected_immediates(pages, self.layers, metadata=True)
+        """Immediates each decode rank counts for `req` (the decoder knows the plan); the dict
+        is shared by requests of the same plan and size: read it, do not change it."""
+        pc = self.plans[req.id]
+        key = (id(pc), pages)
+        counts = self._expected.get(key)
+        if counts is None:
+            counts = self._expected[key] = pc.plan.expected_immediates(pages, self.layers, True)
+        return counts
+
+    @property
+    def nic_bytes(self) -> dict[tuple[str, int, int], float]:
+        """Bytes each sending NIC was given to send, by NIC key."""
+        total: dict[tuple[str, int, int], int] = {}
+        for lkey, posts in self._posted.items():
+            for key, nbytes in self._loads[lkey][1].items():
+                total[key] = total.get(key, 0) + nbytes * posts
+        return {key: float(nbytes) for key, nbytes in total.items()}
 
     def immediates(self, req: Request, cmd: PostWrites | PostMetadata) -> dict[int, int]:
+        """Immediates the post's writes deliver, by decode rank (do not change the dict)."""
         pc = self.plans[req.id]
         if isinstance(cmd, PostMetadata):
             return {pc.plan.dst_leader: 1}
         units = cmd.imm_pages * len(cmd.layers)
-        return {rank: n * units for rank, n in pc.imms_by_rank.items() if n * units}
+        key = (id(pc), units)
+        imms = self._imms.get(key)
+        if imms is None:
+            imms = self._imms[key] = {r: n * units for r, n in pc.imms_by_rank.items() if n * units}
+        return imms
+
+    def _load(self, prefill: int, pc: PlanCost, units: int) -> _Load:
+        """A post's NIC work and bytes of `units` page-layers (-1: the metadata write)."""
+        if units < 0:
+            load = {pc.metadata_nic: (pc.metadata_bytes, 1)}
+        else:
+            load = {n: (b * units, pc.ops_by_nic[n] * units) for n, b in pc.bytes_by_nic.items()}
+        work = {
+            ("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
+            for n, (b, o) in load.items()
+        }
+        nbytes = {("prefill", prefill, n): b for n, (b, _) in load.items()}
+        return (
+            work,
+            nbytes,
+            max(work.values(), default=0.0),
+            sum(b for b, _ in load.values()),
+            sum(o for _, o in load.values()),
+        )
 
     def post(
         self,
@@ -129,31 +173,30 @@ class TransferModel:
         cmd: PostWrites | PostMetadata,
         step: tuple[float, float] | None,
         rec: Recorder,
-    ) -> Generator[simpy.Event, Any, None]:
-        """Move the bytes of one post; layer-wise posts start when their first layer is
-        produced and cannot end before their last layer is produced and sent."""
+        done: Callable[[], None],
+    ) -> None:
+        """Move the bytes of one post, then call `done`; layer-wise posts start when their
+        first layer is produced and cannot end before their last layer is produced and sent."""
         pc, env = self.plans[req.id], self.network.env
-        if isinstance(cmd, PostMetadata):
-            load = {pc.metadata_nic: (pc.metadata_bytes, 1)}
-        else:
-            units = len(cmd.src_pages) * len(cmd.layers)
-            load = {n: (b * units, pc.ops_by_nic[n] * units) for n, b in pc.bytes_by_nic.items()}
-        work = {
-            ("prefill", prefill, n): self.network.work_s(("prefill", prefill, n), b, o)
-            for n, (b, o) in load.items()
-        }
-        for n, (b, _) in load.items():
-            key = ("prefill", prefill, n)
-            self.nic_bytes[key] = self.nic_bytes.get(key, 0.0) + b
-        start, not_before = env.now, 0.0
+        units = -1 if isinstance(cmd, PostMetadata) else len(cmd.src_pages) * len(cmd.layers)
+        load = self._loads.get((prefill, id(pc), units))
+        if load is None:
+            load = self._loads[(prefill, id(pc), units)] = self._load(prefill, pc, units)
+        work = load[0]
+        lkey = (prefill, id(pc), units)
+        self._posted[lkey] = self._posted.get(lkey, 0) + 1
+        start, not_before = env._now, 0.0
         if step is not None and self.layerwise and isinstance(cmd, PostWrites) and not cmd.earlier:
             t0, step_s = step
             per_layer = step_s / self.layers
             start = t0 + per_layer * (cmd.layers.start + 1)
-            not_before = t0 + per_layer * cmd.layers.stop + max(work.values()) / len(cmd.layers)
-        if start > env.now:
-            yield env.timeout(start - env.now)
-        rec.transfer(
-            req, sum(b for b, _ in load.values()), sum(o for _, o in load.values()), env.now
-        )
-        yield self.network.transfer(work, not_before)
+            not_before = t0 + per_layer * cmd.layers.stop + load[2] / len(cmd.layers)
+
+        def begin() -> None:
+            rec.transfer(req, load[3], load[4], env._now)
+            self.network.transfer_then(work, not_before, done)
+
+        if start > env._now:
+            env.timeout(start - env._now).callbacks.append(lambda _: begin())
+        else:
+            begin()

@@ -1,0 +1,119 @@
+"""The simulator's SimPy environment, with lighter events and a lighter run loop.
+
+`Clock` is a `simpy.Environment` whose `timeout` and `event` return a `Timer` and a `Signal`
+(the few fields that the event loop and SimPy processes read, with no `Event` machinery) and
+whose `run(until=t)` steps events in a loop of its own. Events are processed in SimPy's order,
+by (time, priority, insertion), and the `until` mark is scheduled as SimPy schedules it, so a
+simulation gives the same result, bit for bit, on either environment. (The simulator's hot
+paths read the time as `env._now`, the field behind SimPy's `now` property.)
+"""
+
+from __future__ import annotations
+
+from heapq import heappop, heappush
+from typing import Any
+
+import simpy
+from simpy.core import NORMAL, URGENT
+from simpy.events import PENDING
+
+
+class Timer:
+    """A timeout: triggered at creation, processed `delay` seconds later. Supports what the
+    simulator uses: `callbacks` (append to be called with the timer), `value`, and being
+    yielded from a SimPy process."""
+
+    __slots__ = ("_ok", "_value", "callbacks", "env")
+
+    def __init__(self, env: Clock, value: Any = None) -> None:
+        self.callbacks: list[Any] | None = []
+        self._ok = True
+        self._value = value
+        self.env = env
+
+    @property
+    def triggered(self) -> bool:
+        return True
+
+    @property
+    def processed(self) -> bool:
+        return self.callbacks is None
+
+    @property
+    def value(self) -> Any:
+        return self._value
+
+
+class Signal:
+    """An event triggered by `succeed()`, then processed in turn: SimPy's `Event` reduced to
+    what the simulator uses (`callbacks`, `triggered`, `succeed`, being yielded)."""
+
+    __slots__ = ("_ok", "_value", "callbacks", "env")
+
+    def __init__(self, env: Clock) -> None:
+        self.callbacks: list[Any] | None = []
+        self._value: Any = PENDING
+        self.env = env
+
+    @property
+    def triggered(self) -> bool:
+        return self._value is not PENDING
+
+    @property
+    def processed(self) -> bool:
+        return self.callbacks is None
+
+    @property
+    def value(self) -> Any:
+        if self._value is PENDING:
+            raise AttributeError(f"value of {self} is not yet available")
+        return self._value
+
+    def succeed(self, value: Any = None) -> Signal:
+        """Trigger now: processed after the events already due now (SimPy's order)."""
+        if self._value is not PENDING:
+            raise RuntimeError(f"{self} has already been triggered")
+        self._ok, self._value = True, value
+        env = self.env
+        queue: list[Any] = env._queue
+        heappush(queue, (env._now, NORMAL, next(env._eid), self))
+        return self
+
+
+class Clock(simpy.Environment):
+    """A SimPy environment with cheaper timeouts and a cheaper `run(until=number)`."""
+
+    def event(self) -> Any:
+        """A `Signal`: an event to `succeed()` later."""
+        return Signal(self)
+
+    def timeout(self, delay: float = 0, value: Any = None) -> Any:
+        """A `Timer` processed `delay` seconds from now (SimPy's contract for a timeout)."""
+        if delay < 0:
+            raise ValueError(f"Negative delay {delay}")
+        timer = Timer(self, value)
+        queue: list[Any] = self._queue  # SimPy types it as holding Events only
+        heappush(queue, (self._now + delay, NORMAL, next(self._eid), timer))
+        return timer
+
+    def run(self, until: Any = None) -> Any:
+        """SimPy's `run`; a number `until` is run by the loop here, in SimPy's order."""
+        if until is None or isinstance(until, simpy.Event):
+            return super().run(until)
+        at = until if isinstance(until, int) else float(until)
+        if at <= self._now:
+            raise ValueError(f"until ({at}) must be greater than the current simulation time")
+        queue: list[Any] = self._queue
+        stop = Timer(self)
+        heappush(queue, (self._now + (at - self._now), URGENT, next(self._eid), stop))
+        while True:  # the queue holds `stop` until it is popped
+            self._now, _, _, event = heappop(queue)
+            if event is stop:
+                return None
+            callbacks, event.callbacks = event.callbacks, None
+            for callback in callbacks:
+                callback(event)
+            if not event._ok and not hasattr(event, "_defused"):
+                exc = type(event._value)(*event._value.args)  # as simpy's step: a copy
+                exc.__cause__ = event._value
+                raise exc
