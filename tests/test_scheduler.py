@@ -19,7 +19,9 @@ from disagg.core.request import Request, Status
 from disagg.core.router import LeastLoaded, RoundRobin, pick_replica
 from disagg.core.scheduler import (
     ColocatedScheduler,
+    DecodePriorityScheduler,
     DecodeScheduler,
+    PrefillFirstScheduler,
     PrefillScheduler,
     steps_to_finish,
 )
@@ -98,6 +100,57 @@ def test_colocated_decodes_first_then_prefill_fills_the_budget() -> None:
     b = s.schedule()
     assert [r.id for r in b.decodes] == [0]
     assert [(c.req.id, c.tokens) for c in b.chunks] == [(1, 63)]  # 64 - one decode token
+
+
+def two_decoding_then(s: ColocatedScheduler, *prompts: int) -> None:
+    """Requests 0 and 1 decoding (10-token prompts, prefilled in one pass), then `prompts`
+    waiting as requests 2, 3, ..."""
+    s.add(req(0, prompt=10, output=20))
+    s.add(req(1, prompt=10, output=20))
+    s.complete(s.schedule())
+    assert [r.id for r in s.decode.running] == [0, 1]
+    for i, n in enumerate(prompts):
+        s.add(req(2 + i, prompt=n, output=5))
+
+
+def test_prefill_first_runs_whole_prompts_alone_then_the_decodes() -> None:
+    s = PrefillFirstScheduler(PagePool(100, 16), token_budget=64, max_batch=8)
+    two_decoding_then(s, 100, 30, 20)
+    b = s.schedule()  # the 100-token prompt whole, over the budget: the first always goes
+    assert not b.decodes and [(c.req.id, c.tokens, c.last) for c in b.chunks] == [(2, 100, True)]
+    s.complete(b)
+    b = s.schedule()  # 30 + 20 fit the budget of 64 together: one prefill pass
+    assert not b.decodes and [(c.req.id, c.tokens) for c in b.chunks] == [(3, 30), (4, 20)]
+    s.complete(b)
+    b = s.schedule()  # no prompt left: every running request decodes
+    assert not b.chunks and [r.id for r in b.decodes] == [0, 1, 2, 3, 4]
+
+
+def test_decode_priority_keeps_chunks_short_while_decodes_run() -> None:
+    s = DecodePriorityScheduler(
+        PagePool(100, 16), token_budget=64, max_batch=8, chunk_with_decodes=16
+    )
+    two_decoding_then(s, 100)
+    b = s.schedule()  # chunked would give 62 tokens (64 - 2 decodes); decode priority 16
+    assert [r.id for r in b.decodes] == [0, 1]
+    assert [(c.req.id, c.tokens) for c in b.chunks] == [(2, 16)]
+    lone = DecodePriorityScheduler(
+        PagePool(100, 16), token_budget=64, max_batch=8, chunk_with_decodes=16
+    )
+    lone.add(req(0, prompt=100, output=5))
+    assert [(c.req.id, c.tokens) for c in lone.schedule().chunks] == [(0, 64)]  # none decodes
+
+
+def test_the_colocated_variants_are_chosen_by_name() -> None:
+    group = GroupConfig(max_batch=8, token_budget=64, scheduler={"name": "prefill_first"})
+    assert isinstance(make_scheduler("colocated", group, PagePool(10, 16)), PrefillFirstScheduler)
+    spec = {"name": "decode_priority", "chunk_with_decodes": 32}
+    built = make_scheduler("colocated", GroupConfig(scheduler=spec), PagePool(10, 16))
+    assert isinstance(built, DecodePriorityScheduler) and built.chunk_with_decodes == 32
+    with pytest.raises(ConfigError, match="chunk_with_decodes: Input should be greater than 0"):
+        SCHEDULERS.parse({"name": "decode_priority", "chunk_with_decodes": 0})
+    with pytest.raises(ConfigError, match="'prefill_first' schedules colocated nodes, not decode"):
+        make_scheduler("decode", GroupConfig(scheduler="prefill_first"), PagePool(10, 16))
 
 
 def test_colocated_waits_for_pages_and_rejects_what_never_fits() -> None:

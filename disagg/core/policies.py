@@ -19,14 +19,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, PlainValidator, SerializeAsAny, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    SerializeAsAny,
+    ValidationError,
+)
 
 from disagg.core.kvcache import PagePool
 from disagg.core.router import LeastLoaded, RoundRobin, Router
 from disagg.core.scheduler import (
     Batch,
     ColocatedScheduler,
+    DecodePriorityScheduler,
     DecodeScheduler,
+    PrefillFirstScheduler,
     PrefillScheduler,
     Progress,
 )
@@ -164,6 +173,42 @@ class ChunkedConfig(SchedulerPolicy):
         g = args.group
         return ColocatedScheduler(
             args.pool, g.token_budget, g.max_batch, args.tokens_per_step, args.decode_qo
+        )
+
+
+@SCHEDULERS.register
+class PrefillFirstConfig(SchedulerPolicy):
+    """Colocated nodes: waiting prompts first, whole, in passes of their own; decodes run only
+    in passes without prompts (vLLM's original scheduler; PrefillFirstScheduler)."""
+
+    name: Literal["prefill_first"] = "prefill_first"
+    roles = ("colocated",)
+
+    def build(self, args: SchedulerArgs) -> Scheduler:
+        g = args.group
+        return PrefillFirstScheduler(
+            args.pool, g.token_budget, g.max_batch, args.tokens_per_step, args.decode_qo
+        )
+
+
+@SCHEDULERS.register
+class DecodePriorityConfig(SchedulerPolicy):
+    """Colocated nodes: running decodes in every pass, prompts in chunks of at most
+    `chunk_with_decodes` tokens while any decode runs (DecodePriorityScheduler)."""
+
+    name: Literal["decode_priority"] = "decode_priority"
+    roles = ("colocated",)
+    chunk_with_decodes: int = Field(default=256, gt=0)
+
+    def build(self, args: SchedulerArgs) -> Scheduler:
+        g = args.group
+        return DecodePriorityScheduler(
+            args.pool,
+            g.token_budget,
+            g.max_batch,
+            self.chunk_with_decodes,
+            args.tokens_per_step,
+            args.decode_qo,
         )
 
 

@@ -5,6 +5,8 @@ Three policies share one shape: `add` requests, `schedule()` a Batch, run it (si
 
 - ColocatedScheduler: continuous batching with chunked prefill under a token budget; running
   decodes first, then prefill chunks fill what is left of the budget (Sarathi-style).
+  PrefillFirstScheduler and DecodePriorityScheduler are its variants that production systems
+  ship besides: whole prompts in passes of their own, or decodes first with short chunks.
 - PrefillScheduler: prefill only, chunked, FIFO; pages come from the messenger.
 - DecodeScheduler: decode only; admits only requests whose KV has fully arrived.
 """
@@ -225,3 +227,48 @@ class ColocatedScheduler:
         for req in finished:
             self.pool.free(req.id)
         return Progress(pre.prefilled, dec.first_token + pre.prefilled, finished)
+
+
+class PrefillFirstScheduler(ColocatedScheduler):
+    """Prefill first, as vLLM's original scheduler and SGLang without mixed chunks: a pass with
+    prompts to compute runs only them, whole, in arrival order while they fit the token budget
+    (the first always, however long); the running decodes wait for a pass without prompts."""
+
+    def schedule(self) -> Batch:
+        self._admit()
+        if not self.prefill.queue:
+            return Batch(decodes=self.decode.schedule().decodes)
+        budget = 0
+        for i, (req, target) in enumerate(self.prefill.queue):
+            need = target - req.prefilled
+            if i and budget + need > self.prefill.token_budget:
+                break
+            budget += need
+        return Batch(chunks=self.prefill.schedule(budget).chunks)
+
+
+class DecodePriorityScheduler(ColocatedScheduler):
+    """Decode priority: the running decodes in every pass, and while any runs, prompt chunks of
+    at most `chunk_with_decodes` tokens a pass (a short pass keeps inter-token latency low, at
+    the cost of TTFT); the whole token budget goes to prompts only when nothing decodes."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        token_budget: int,
+        max_batch: int,
+        chunk_with_decodes: int,
+        tokens_per_step: float = 1.0,
+        decode_qo: int = 1,
+    ) -> None:
+        super().__init__(pool, token_budget, max_batch, tokens_per_step, decode_qo)
+        _check_positive("decode_priority chunk_with_decodes", chunk_with_decodes)
+        self.chunk_with_decodes = chunk_with_decodes
+
+    def schedule(self) -> Batch:
+        self._admit()
+        decodes = self.decode.schedule().decodes
+        budget = self.prefill.token_budget - len(decodes) * self.decode_qo
+        if decodes:
+            budget = min(budget, self.chunk_with_decodes)
+        return Batch(chunks=self.prefill.schedule(budget).chunks, decodes=decodes)
