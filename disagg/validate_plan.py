@@ -71,6 +71,7 @@ class Grid:
     prefill_context: tuple[int, ...]
     decode_batch: tuple[int, ...]
     decode_context: tuple[int, ...]
+    mixed: tuple[tuple[int, int, int], ...] = ()  # (chunk tokens, decodes, their context)
 
     def __str__(self) -> str:
         def join(v: tuple[int, ...]) -> str:
@@ -78,15 +79,17 @@ class Grid:
 
         return (
             f"prefill {join(self.prefill_tokens)} tokens x {join(self.prefill_context)} cached; "
-            f"decode batch {join(self.decode_batch)} x {join(self.decode_context)} context"
+            f"decode batch {join(self.decode_batch)} x {join(self.decode_context)} context; "
+            f"{len(self.mixed)} mixed"
         )
 
 
 def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     """The profile grid the experiments' workloads reach: prefill chunks of the shortest prompt
-    to the largest token budget (or longest prompt), after 0 cached tokens or as many as a
-    last chunk of the longest prompt has; decode batches of 1 to the batch limit (or the
-    number of requests), at the shortest prompt's to the longest request's context."""
+        to the largest token budget (or longest prompt), after 0 cached tokens or as many as a
+        last chunk of the longest prompt has; decode batches of 1 to the batch limit (or the
+        number of requests), at the shortest prompt's to the longest request's context; mixed passes
+    of each chunk beside the largest batch."""
     prompts, totals, chunks, batches = [], [], [], []
     for exp in exps:
         arrivals = _arrivals(exp)
@@ -96,11 +99,16 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
         batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
     top = min(max(chunks), max(prompts))
     cached = max(prompts) - min(chunks)
+    prefill_tokens = log_grid(min(min(prompts), top), top, points)
+    decode_batch = log_grid(1, max(batches), points)
+    decode_context = log_grid(min(prompts), max(totals), 2)
     return Grid(
-        prefill_tokens=log_grid(min(min(prompts), top), top, points),
+        prefill_tokens=prefill_tokens,
         prefill_context=(0, cached) if cached > 0 else (0,),
-        decode_batch=log_grid(1, max(batches), points),
-        decode_context=log_grid(min(prompts), max(totals), 2),
+        decode_batch=decode_batch,
+        decode_context=decode_context,
+        # a colocated pass: a chunk beside a decode batch (the cost model's shared fixed cost)
+        mixed=tuple((n, decode_batch[-1], decode_context[0]) for n in sorted({*prefill_tokens})),
     )
 
 

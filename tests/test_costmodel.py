@@ -202,3 +202,56 @@ def test_profile_errors(tmp_path: Path) -> None:
     bad.write_text("kind,tokens\nprefill,3\n")
     with pytest.raises(ConfigError, match="missing columns"):
         ProfileCost(bad)
+
+
+def write_profile(tmp_path: Path, extra: list[str] | None = None) -> Path:
+    """Prefill: 1 ms per 512 tokens (+1 us per cached token), with a noisy dip at 2048;
+    decode: 10 ms + 0.1 us per cached token of the batch."""
+    rows = ["kind,tokens,batch,context,duration_s"]
+    for ctx in (0, 4096):
+        for n, t in ((512, 0.001), (1024, 0.002), (2048, 0.0019), (4096, 0.008)):
+            rows.append(f"prefill,{n},1,{ctx},{t + ctx * 1e-6}")
+    for b in (1, 8):
+        for ctx in (1000, 3000):
+            rows.append(f"decode,{b},{b},{ctx},{0.01 + b * ctx * 1e-7}")
+    path = tmp_path / "p.csv"
+    path.write_text("\n".join(rows + (extra or [])) + "\n")
+    return path
+
+
+def prefill(n: int) -> StepShape:
+    return StepShape(prefill_tokens=n, prefill_attn_pairs=n * (n + 1) / 2)
+
+
+def test_profile_curves_hold_below_the_grid_and_never_fall(tmp_path: Path) -> None:
+    c = ProfileCost(write_profile(tmp_path))
+    assert c.step_time(prefill(64)) == pytest.approx(0.001)  # below 512: the 512 pass's time
+    # the dip at 2048 (1.9 ms < 2 ms at 1024) is measurement noise: the curve is held at 2 ms
+    assert c.step_time(prefill(2048)) == pytest.approx(0.002)
+    assert c.step_time(prefill(1536)) == pytest.approx(0.002)
+    assert c.step_time(prefill(3072)) == pytest.approx(0.005)  # halfway from 2 to 8 ms
+    assert (c.passes, c.extrapolated) == (4, 0)
+
+
+def test_passes_beyond_the_grid_extrapolate_and_are_counted(tmp_path: Path) -> None:
+    c = ProfileCost(write_profile(tmp_path))
+    assert c.step_time(prefill(8192)) == pytest.approx(0.008 + 4096 * 0.006 / 2048)
+    c.step_time(StepShape(decode_seqs=16, decode_context=16 * 1000))  # batch beyond 8
+    c.step_time(StepShape(decode_seqs=8, decode_context=8 * 5000))  # context beyond 3000
+    c.step_time(StepShape(decode_seqs=8, decode_context=8 * 2000))  # inside
+    assert (c.passes, c.extrapolated) == (4, 3)
+
+
+def test_mixed_rows_give_the_fixed_cost_a_mixed_pass_shares(tmp_path: Path) -> None:
+    # measured mixed passes: 4 ms less than their prefill and decode parts
+    parts = 0.002 + (0.01 + 8 * 2000 * 1e-7)
+    extra = [f"mixed,1024,8,2000,{parts - 0.004}", f"mixed,1024,8,2000,{parts - 0.004}"]
+    c = ProfileCost(write_profile(tmp_path, extra))
+    assert c.mixed_offset_s == pytest.approx(-0.004)
+    shape = StepShape(
+        prefill_tokens=512, prefill_attn_pairs=512 * 513 / 2, decode_seqs=1, decode_context=1000
+    )
+    assert c.step_time(shape) == pytest.approx(0.001 + 0.0101 - 0.004)
+    without = ProfileCost(write_profile(tmp_path))  # no mixed rows: the parts' sum
+    assert without.mixed_offset_s == 0.0
+    assert without.step_time(shape) == pytest.approx(0.001 + 0.0101)

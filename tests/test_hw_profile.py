@@ -26,9 +26,14 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
         page_size=4,
         warmup=1,
         repeats=3,
+        mixed=((8, 4, 8), (32, 4, 8)),
     )
     assert list(df.columns) == COLUMNS == ["kind", "tokens", "batch", "context", "duration_s"]
-    prefill, decode = df[df.kind == "prefill"], df[df.kind == "decode"]
+    prefill, decode, mixed = (df[df.kind == k] for k in ("prefill", "decode", "mixed"))
+    assert sorted(zip(mixed.tokens, mixed.batch, mixed.context, strict=True)) == [
+        (8, 4, 8),
+        (32, 4, 8),
+    ]
     assert sorted(zip(prefill.tokens, prefill.context, strict=True)) == [
         (8, 0),
         (8, 16),

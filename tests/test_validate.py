@@ -147,6 +147,7 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     assert grid.prefill_context == ((0, max(prompts) - 64) if max(prompts) > 64 else (0,))
     assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
     assert grid.decode_context == (min(prompts), longest)
+    assert grid.mixed == tuple((n, 4, min(prompts)) for n in grid.prefill_tokens)
 
 
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
@@ -234,7 +235,7 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / name).stat().st_size > 10_000
     profiled = pd.read_csv(out / "profile.csv")
-    assert set(profiled.kind) == {"prefill", "decode"} and (profiled.duration_s > 0).all()
+    assert set(profiled.kind) == {"prefill", "decode", "mixed"} and (profiled.duration_s > 0).all()
     ran = json.loads((out / "hw" / "colocated-20rps" / "experiment.json").read_text())
     assert ran["hardware"]["gpu"]["name"] == "cpu-measured"  # the replays' device
     replayed = json.loads((out / "sim-profile" / "disagg-60rps" / "experiment.json").read_text())

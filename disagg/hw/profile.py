@@ -3,9 +3,11 @@
 `profile` times prefill steps over (new tokens x cached tokens) for one sequence, and decode
 steps over (batch x cached tokens per sequence), each the median (or `reduce`) of `repeats`
 runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the
-model cut to `layers` layers. Columns: kind ("prefill" / "decode"), tokens (new tokens in the
-step: prefill tokens, or the decode batch), batch, context (cached tokens per sequence),
-duration_s.
+model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt chunk of
+`tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
+Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
+the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
+prefilling sequence), duration_s.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def profile(
     seed: int = 0,
     attention: str = "auto",
     reduce: Callable[[list[float]], float] = statistics.median,
+    mixed: Sequence[tuple[int, int, int]] = (),
 ) -> pd.DataFrame:
     """Step durations over the grids, each `reduce` (default: the median) of its `repeats`
     times (see the module doc for the columns). `min` suits a shared CPU, where a run of the
@@ -67,6 +70,7 @@ def profile(
     decode = [(b, c) for b in decode_batch for c in decode_context]
     need = [pages_for(n + c, page_size) for n, c in prefill]
     need += [b * pages_for(c + 1, page_size) for b, c in decode]
+    need += [pages_for(n, page_size) + b * pages_for(c + 1, page_size) for n, b, c in mixed]
     cache = model.new_cache(max(need, default=1), page_size, layout)
     runner = Runner(model, cache, attention=attention)
     rows = []
@@ -76,6 +80,14 @@ def profile(
             seqs = _seqs(batch, tokens, c, page_size, spec.vocab)
             times = time_it(partial(runner.step, seqs), dev, warmup=warmup, repeats=repeats)
             rows.append((kind, tokens * batch, batch, c, reduce(times)))
+    for n, b, c in mixed:  # the chunk's pages after the decodes'
+        decodes = _seqs(b, 1, c, page_size, spec.vocab)
+        after = b * pages_for(c + 1, page_size)
+        (chunk,) = _seqs(1, n, 0, page_size, spec.vocab)
+        chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
+        step = partial(runner.step, [chunk, *decodes])
+        times = time_it(step, dev, warmup=warmup, repeats=repeats)
+        rows.append(("mixed", n, b, c, reduce(times)))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -152,11 +152,17 @@ class RooflineCost:
 class ProfileCost:
     """Step times interpolated from a table measured by `disagg hw profile`.
 
-    The CSV has columns kind ("prefill"/"decode"), tokens, batch, context, duration_s. Prefill
-    rows give a pass of `tokens` new tokens after `context` cached ones; decode rows a pass of
-    `batch` sequences of `context` cached tokens each. Values outside the grid extrapolate
-    linearly in tokens (prefill) and context (decode). The table must come from the same model
-    and depth as the experiment.
+    The CSV has columns kind ("prefill"/"decode"/"mixed"), tokens, batch, context, duration_s.
+    Prefill rows give a pass of `tokens` new tokens after `context` cached ones; decode rows a
+    pass of `batch` sequences of `context` cached tokens each; mixed rows (optional) a pass of
+    a `tokens`-token prompt chunk beside `batch` decodes of `context` cached tokens. Each
+    measured curve is made non-decreasing before use (a longer pass never costs less; noise can
+    say otherwise). Between grid points times interpolate linearly; below the grid they hold
+    the smallest point's time (a pass's fixed costs do not shrink); above it they extrapolate
+    the last segment, and `extrapolated` counts those passes. A mixed pass costs its prefill
+    and decode parts plus `mixed_offset_s`: the median, over the mixed rows, of what a measured
+    mixed pass took beyond its two parts (negative: the fixed costs they share), or 0 without
+    mixed rows. The table must come from the same model and depth as the experiment.
     """
 
     def __init__(self, path: Path, decode_qo: int = 1) -> None:
@@ -175,15 +181,28 @@ class ProfileCost:
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
         self._lines: dict[int, tuple[float, float]] = {}  # decode_line by batch size
+        self.max_prefill_tokens = int(df[df.kind == "prefill"].tokens.max())
+        self.max_decode_batch = int(self.decode.index.get_level_values(0).max())
+        self.max_decode_context = int(self.decode.index.get_level_values(1).max())
+        self.passes = 0  # passes costed
+        self.extrapolated = 0  # of which beyond the grid on some axis
+        mixed = df[df.kind == "mixed"]
+        beyond_parts = [
+            float(t) - self._prefill_time(int(n), 0.0) - self._decode_time(int(b), b * float(c))
+            for n, b, c, t in zip(
+                mixed.tokens, mixed.batch, mixed.context, mixed.duration_s, strict=True
+            )
+        ]
+        self.mixed_offset_s = float(np.median(beyond_parts)) if beyond_parts else 0.0
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         contexts = sorted({c for c, _ in self.prefill.index})
         per_ctx = []
         for c in contexts:
             row = self.prefill.loc[c]
-            xs, ys = row.index.to_numpy(float), row.to_numpy(float)
-            per_ctx.append(_interp_lin(tokens, xs, ys))
-        return _interp_lin(context, np.array(contexts, float), np.array(per_ctx))
+            xs, ys = row.index.to_numpy(float), np.maximum.accumulate(row.to_numpy(float))
+            per_ctx.append(_interp(tokens, xs, ys))
+        return _interp(context, np.array(contexts, float), np.maximum.accumulate(per_ctx))
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
         line = self._lines.get(seqs)
@@ -202,27 +221,43 @@ class ProfileCost:
                 else (0.0, float(row.iloc[0]))
             )
             lines.append((icept, slope / b))
-        a = _interp_lin(seqs, batches, np.array([x for x, _ in lines]))
-        per_token = _interp_lin(seqs, batches, np.array([y for _, y in lines]))
+        a = _interp(seqs, batches, np.maximum.accumulate([x for x, _ in lines]))
+        per_token = _interp(seqs, batches, np.array([y for _, y in lines]))
         return a, max(per_token, 0.0)
 
+    def _decode_time(self, seqs: int, context_tokens: float) -> float:
+        """A decode pass of `seqs` sequences holding `context_tokens` cached tokens in all."""
+        a, b = self.decode_line(seqs)
+        return a + b * context_tokens
+
     def step_time(self, s: StepShape) -> float:
+        self.passes += 1
+        beyond = s.prefill_tokens > self.max_prefill_tokens or s.decode_seqs > (
+            self.max_decode_batch
+        )
+        if s.decode_seqs and s.decode_context / s.decode_seqs > self.max_decode_context:
+            beyond = True
+        self.extrapolated += beyond
         t = 0.0
         if s.prefill_tokens:
             n = s.prefill_tokens
             context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0)
             t += self._prefill_time(n, context)
         if s.decode_seqs:
-            a, b = self.decode_line(s.decode_seqs)
-            t += a + b * s.decode_context
+            t += self._decode_time(s.decode_seqs, s.decode_context)
+        if s.prefill_tokens and s.decode_seqs:
+            t = max(t + self.mixed_offset_s, 0.0)
         return t
 
 
-def _interp_lin(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
-    """Piecewise-linear interpolation that extrapolates the end segments."""
+def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Piecewise-linear through (xs, ys): the first value below xs[0], the last segment
+    extended above xs[-1] (one point: proportional to x above it)."""
+    if x <= xs[0]:
+        return float(ys[0])
     if len(xs) == 1:
-        return float(ys[0]) * (x / xs[0] if xs[0] else 1.0)
-    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+        return float(ys[0]) * x / xs[0]
+    i = min(int(np.searchsorted(xs, x)) - 1, len(xs) - 2)
     w = (x - xs[i]) / (xs[i + 1] - xs[i])
     return float(max(ys[i] + w * (ys[i + 1] - ys[i]), 0.0))
 
