@@ -624,8 +624,8 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(TransportError, match=r"llama-3.1-70b weights \(80 layers\) needs"):
         run_hw(build_experiment(data, ["kv.pages=16"]), tmp_path / "x")
     data = experiment("tiny-gqa", "disagg", "HND", 8)
-    data["cluster"]["decode"]["tp"] = 2
-    with pytest.raises(ConfigError, match=r"cluster\.decode has nodes=1 tp=2 dp=1"):
+    data["cluster"]["decode"]["dp"] = 2  # (a node of tp 2 runs: tests/test_hw_tp_nodes.py)
+    with pytest.raises(ConfigError, match=r"cluster\.decode has nodes=1 tp=1 dp=2"):
         run_hw(build_experiment(data), tmp_path / "y")
 
 

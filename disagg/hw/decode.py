@@ -16,7 +16,7 @@ from disagg.core.roles import ColocatedRole, DecodeRole
 from disagg.errors import ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
-from disagg.hw.node import Server, single_gpu_plan
+from disagg.hw.node import Server, transfer_plan
 from disagg.hw.protocol import Finished, NodeConfig, NodeUp, Submit, unpack_imm
 
 
@@ -74,7 +74,7 @@ class DecodeServer(GeneratingServer):
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
         exp, group = self.exp, self.exp.cluster.decode
-        self.plan = single_gpu_plan(exp, self.cache.layers[0].element_size())
+        self.plan = transfer_plan(exp, self.cache.layers[0].element_size())
         # the hw model drafts no tokens: one per step
         self.role = DecodeRole(cfg.index, self, self.pool, group, exp.transfer, self.expected)
         self.runner.capture_up_to(group.max_batch)

@@ -1,11 +1,12 @@
 """`disagg hw run`: start the servers, replay the workload in real time, collect the tables.
 
-The driver spawns one process per server (or waits for servers started elsewhere with
-`disagg hw serve`), introduces them to each other, replays the experiment's arrivals against
-the wall clock, and gathers what each request finished with. It writes the same requests,
-steps and transfers tables and summary as `disagg sim run`, and one table of its own: `hops`,
-when each request's control messages left and arrived (Server.mark). Every child is stopped
-on the way out, Ctrl-C included; a server that dies is an error naming it.
+The driver spawns one process per server (one per rank of a node of tp > 1: disagg.hw.ranks),
+or waits for servers started elsewhere with `disagg hw serve`, introduces them to each other,
+replays the experiment's arrivals against the wall clock, and gathers what each request
+finished with. It writes the same requests, steps and transfers tables and summary as
+`disagg sim run`, and one table of its own: `hops`, when each request's control messages left
+and arrived (Server.mark). Every child is stopped on the way out, Ctrl-C included; a server
+(or a rank of one) that dies is an error naming it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,7 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
+from disagg.hw.ranks import LOST_GROUP, follow
 from disagg.hw.serve import serve
 from disagg.settings import HW_PAGES
 from disagg.trace import write_trace
@@ -142,15 +146,22 @@ def fault_actions(exp: Experiment, external: tuple[str, ...]) -> list[tuple[floa
 
 
 def check_hw_experiment(exp: Experiment) -> None:
-    """ConfigError unless every server of the experiment is one device (the hw backend runs one
-    GPU per process: one prefill and one decode server, or one colocated server)."""
+    """ConfigError unless the hw backend can run every node of the experiment: one node per
+    role, of one attention group (dp 1); a node of tp > 1 (its ranks one process each,
+    disagg.hw.ranks) only on the CPU over the tcp wire, for now."""
     for role, g in exp.cluster.groups.items():
-        if g.tp * g.dp != 1 or g.nodes != 1:
+        if g.dp != 1 or g.nodes != 1:
             raise ConfigError(
                 f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but a hardware run "
-                f"is one server of one GPU per role: --set cluster.{role}.nodes=1 "
-                f"--set cluster.{role}.tp=1 --set cluster.{role}.dp=1 (and model.layers=N to "
-                "fit a big model)"
+                f"is one node per role, of one attention group: --set cluster.{role}.nodes=1 "
+                f"--set cluster.{role}.dp=1 (and model.layers=N to fit a big model)"
+            )
+        device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
+        if g.tp > 1 and (device != "cpu" or exp.hw.wire != "tcp"):
+            raise ConfigError(
+                f"cluster.{role}.tp={g.tp}: a node of several ranks runs on the CPU over the "
+                f"tcp wire only, not on {device} over the {exp.hw.wire} wire: --set "
+                f"cluster.{role}.tp=1, or hw.wire=tcp with the {role} device cpu"
             )
 
 
@@ -164,6 +175,12 @@ class Driver:
         exp = hw_experiment(exp)
         parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
+        for name, g in exp.cluster.groups.items():
+            if g.tp > 1 and any(e.startswith(name) for e in external):
+                raise ConfigError(
+                    f"cluster.{name}.tp={g.tp}: a node of several ranks is started by "
+                    "`disagg hw run` itself, not elsewhere (disagg hw serve runs tp=1)"
+                )
         self.exp, self.hw, self.external = exp, exp.hw, external
         self.control = Control(
             "driver",
@@ -179,6 +196,7 @@ class Driver:
         self.run_state = HwRun()
         self.stuck: set[str] = set()
         self.faults = fault_actions(exp, external)  # still to inject
+        self.tp_dirs: list[str] = []  # nodes' rank directories (with_tp_dir)
         self.t0 = math.nan  # the run's clock starts at the Start
 
     # -- starting
@@ -186,12 +204,16 @@ class Driver:
         if self.external:
             print(f"driver control endpoint: {self.control.endpoint}", flush=True)
         ctx = mp.get_context("spawn")
+        self.configs = [self.with_tp_dir(cfg) for cfg in self.configs]
         for cfg in self.configs:
             if cfg.name in self.external:
                 continue
-            proc = ctx.Process(target=serve, args=(cfg,), name=cfg.name, daemon=True)
-            proc.start()
-            self.procs[cfg.name] = proc
+            for rank in range(cfg.tp):  # rank 0, the leader, is the server (disagg.hw.ranks)
+                target, args = (serve, (cfg,)) if rank == 0 else (follow, (cfg, rank))
+                name = cfg.rank_name(rank)
+                proc = ctx.Process(target=target, args=args, name=name, daemon=True)
+                proc.start()
+                self.procs[name] = proc
         ups: dict[str, NodeUp] = self._gather(NodeUp, self.hw.start_timeout_s, "start")
         for up in ups.values():
             self.control.connect(up.name, up.endpoint)
@@ -199,6 +221,16 @@ class Driver:
             others = tuple(vars(u) for n, u in ups.items() if n != name)
             self.control.send(name, Peers(others))
         self._gather(Started, 120.0, "connect")
+
+    def with_tp_dir(self, cfg: NodeConfig) -> NodeConfig:
+        """`cfg` with a directory of its own for its ranks to share, if it has several (in
+        shared memory where the host has it; removed by `stop`)."""
+        if cfg.tp == 1:
+            return cfg
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        tp_dir = tempfile.mkdtemp(prefix=f"disagg-{cfg.name}-", dir=shm)
+        self.tp_dirs.append(tp_dir)
+        return replace(cfg, tp_dir=tp_dir)
 
     def _gather(self, kind: type, timeout_s: float, what: str) -> dict[str, Any]:
         names = {c.name for c in self.configs}
@@ -210,7 +242,7 @@ class Driver:
             if msg is not None and isinstance(msg[1], kind):
                 got[msg[0]] = msg[1]
             elif msg is not None and isinstance(msg[1], Records) and msg[1].error:
-                raise TransportError(msg[1].error)
+                raise self.blame(msg[0], msg[1].error)
             self.check_children()
             if time.monotonic() > deadline:
                 missing = sorted(names - set(got))
@@ -234,12 +266,31 @@ class Driver:
             )
 
     def check_children(self) -> None:
-        for name, proc in self.procs.items():
-            if not proc.is_alive():
-                self._last_words(name)
-                records = self.run_state.records.get(name)
-                why = f": {records.error}" if records and records.error else ""
-                raise TransportError(f"server {name} died (exit code {proc.exitcode}){why}")
+        """TransportError naming a child that died, the cause first: a follower rank that
+        died by itself before its leader (which fails on its next collective, because of
+        it), and any process before a follower that only lost its group."""
+        dead = [(n, p) for n, p in self.procs.items() if not p.is_alive()]
+        dead.sort(key=lambda d: (d[1].exitcode == LOST_GROUP, "." not in d[0]))
+        for name, proc in dead[:1]:
+            self._last_words(name)
+            records = self.run_state.records.get(name)
+            why = f": {records.error}" if records and records.error else ""
+            raise TransportError(f"server {name} died (exit code {proc.exitcode}){why}")
+
+    def blame(self, node: str, error: str, wait_s: float = 1.0) -> TransportError:
+        """The error that stops the run when `node` failed with `error`: the death of one of
+        its follower ranks, if one died (waited for up to `wait_s`: its sockets close, failing
+        the leader's collective, a moment before its exit is seen), else `error`."""
+        followers = {n: p for n, p in self.procs.items() if n.startswith(f"{node}.")}
+        deadline = time.monotonic() + wait_s
+        while followers and time.monotonic() < deadline:
+            for name, proc in followers.items():
+                if not proc.is_alive() and proc.exitcode != LOST_GROUP:
+                    return TransportError(
+                        f"server {name} died (exit code {proc.exitcode}), so {node} failed: {error}"
+                    )
+            time.sleep(0.05)
+        return TransportError(error)
 
     # -- replaying
     def replay(self, progress: Callable[[int, int], None] | None = None) -> HwRun:
@@ -308,7 +359,7 @@ class Driver:
             elif isinstance(body, Records):
                 self.run_state.records[body.name] = body
                 if body.error:
-                    raise TransportError(body.error)
+                    raise self.blame(sender, body.error)
             msg = self.control.recv(0.0)
         self.check_children()
 
@@ -362,6 +413,8 @@ class Driver:
             if proc.is_alive():  # stuck, stopped, or deaf to SIGTERM
                 proc.kill()
                 proc.join(5.0)
+        for tp_dir in self.tp_dirs:
+            shutil.rmtree(tp_dir, ignore_errors=True)
         self.control.close()
 
 

@@ -3,10 +3,11 @@ This module holds what they share (the `Server` loop); each server is the port o
 `prefill.py` and `decode.py`; the process body is `serve.py`, the messages `protocol.py`.
 
 Each server is one process with one main loop that owns the core objects (they are not
-thread-safe). The only other threads are the layer watcher, which turns the GPU layer counter
-into "layers done" values on a queue, and whatever a wire runs inside. A server talks to the
-driver (`disagg.hw.driver`) and its peers over the ZeroMQ control plane, and moves KV pages over
-a wire (tcp, cuda or verbs):
+thread-safe); a node of tp > 1 adds tp - 1 follower processes that only compute, this process
+leading them and moving every rank's pages (`ranks.py`). The only other threads are the layer
+watcher, which turns the GPU layer counter into "layers done" values on a queue, and whatever a
+wire runs inside. A server talks to the driver (`disagg.hw.driver`) and its peers over the
+ZeroMQ control plane, and moves KV pages over a wire (tcp, cuda or verbs):
 
     driver -> Submit -> decode: reserve pages, PrefillRequest -> prefill
     (handoff "parallel": driver -> Submit -> prefill too, which starts before the pages come)
@@ -36,7 +37,6 @@ from disagg.hw import latency
 from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
 from disagg.hw.device import resolve_device
-from disagg.hw.model import Transformer
 from disagg.hw.protocol import (
     META_SLOTS,
     Inject,
@@ -49,6 +49,7 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
+from disagg.hw.ranks import LeaderRunner, join_node, rank_model, region, shared_cache
 from disagg.hw.runner import GRAPH_BATCHES, Runner
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Transport
@@ -94,17 +95,24 @@ class Server:
             control.connect("driver", cfg.driver)
         self.control = control
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
-        self.model = Transformer(
-            self.spec, seed=self.exp.seed, device=device, fused_ops=self.hw.latency.fused_ops
-        )
+        # a node of tp > 1: this process is its leader, rank 0 (disagg.hw.ranks)
+        self.tp = join_node(cfg, 0, self.hw.start_timeout_s) if cfg.tp > 1 else None
+        self.model = rank_model(cfg, self.exp, self.tp)
         kv = self.exp.kv
         pages = kv.pages or HW_PAGES
-        self.cache = self.model.new_cache(pages, kv.page_size, kv.layout)
+        # every rank's KV pages, by rank: the leader's wire moves them all
+        self.rank_caches = (
+            [self.model.new_cache(pages, kv.page_size, kv.layout)]
+            if self.tp is None
+            else [shared_cache(cfg, self.exp, self.model, r) for r in range(cfg.tp)]
+        )
+        self.cache = self.rank_caches[0]
         self.pool = PagePool(pages, kv.page_size, cfg.name)
         # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
         # replay, and first capture, a decode graph); the others capture theirs at start
         graphs = () if self.kind == "prefill" else GRAPH_BATCHES
-        self.runner = Runner(
+        runner = Runner if self.tp is None else LeaderRunner
+        self.runner = runner(
             self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
         )
         self.stats = _Stats()
@@ -157,6 +165,8 @@ class Server:
                 tuple(self.stats.hops),
             ),
         )
+        if isinstance(self.runner, LeaderRunner):
+            self.runner.stop_followers()
         if self.wire is not None:
             self.wire.close()
         self.control.close(linger_s=5.0)  # let the records leave first
@@ -164,7 +174,8 @@ class Server:
     def announce(self) -> None:
         self.wire = make_transport(self.hw.wire, endpoint=self.cfg.name, **self.wire_options())
         regions = [
-            self.wire.register(f"kv{i}", self.cache.layer_bytes(i)).to_dict()
+            self.wire.register(region(i, rank), cache.layer_bytes(i)).to_dict()
+            for rank, cache in enumerate(self.rank_caches)
             for i in range(self.layers)
         ]
         regions += [self.wire.register("meta", self.meta).to_dict()]
@@ -368,13 +379,15 @@ class Server:
             torch.cuda.synchronize(self.model.device)
 
 
-def single_gpu_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
-    """One rank on each side (one GPU per process): one write per page per layer."""
-    spec = exp.model.spec
+def transfer_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
+    """The writes of one page of one layer from the prefill node's ranks to the decode node's
+    (`cluster.<role>.tp` each; both sides plan alike, from the experiment's seed). One rank on
+    each side: one write per page per layer."""
+    spec, cluster = exp.model.spec, exp.cluster
     dtype = {4: "fp32", 2: "bf16", 1: "fp8"}[elem_bytes]
     return plan_transfer(
-        shard_layout(spec, 1),
-        shard_layout(spec, 1),
+        shard_layout(spec, cluster.prefill.tp),
+        shard_layout(spec, cluster.decode.tp),
         exp.kv.page_size,
         exp.kv.layout,
         dtype,

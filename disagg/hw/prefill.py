@@ -14,11 +14,13 @@ import torch
 from disagg.core import messenger as m
 from disagg.core.request import Request
 from disagg.core.roles import PrefillRole
+from disagg.core.sharding import Segment
 from disagg.errors import DisaggError, ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
-from disagg.hw.node import Server, single_gpu_plan
+from disagg.hw.node import Server, transfer_plan
 from disagg.hw.protocol import META_SLOTS, NodeConfig, Submit, pack_imm
+from disagg.hw.ranks import region
 from disagg.hw.runner import LayerWatcher
 from disagg.hw.transport.base import Descriptor, Unit, Write, WriteArray, total_bytes
 
@@ -44,7 +46,11 @@ class PrefillServer(Server):
         self.role = PrefillRole(
             cfg.index, self, self.pool, exp.cluster.prefill, exp.transfer, self.layers
         )
-        self.plan = single_gpu_plan(exp, self.cache.layers[0].element_size())
+        self.plan = transfer_plan(exp, self.cache.layers[0].element_size())
+        # the plan's segments of one page of one layer, by (source rank, destination rank)
+        self.pair_segments: dict[tuple[int, int], list[Segment]] = {}
+        for g in self.plan.segments:
+            self.pair_segments.setdefault((g.src_rank, g.dst_rank), []).append(g)
         # this side's metadata rows, one per prefilled request until its posts complete (the
         # decoder's slot may not be known yet when the hidden state is computed)
         self.rows: dict[int, int] = {}
@@ -103,20 +109,23 @@ class PrefillServer(Server):
             self.free_rows.append(self.rows.pop(req_id))
 
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
-        """One unit per layer: every page's writes as arrays, then one immediate that counts
-        the post's complete pages (pages cut by the chunk are written but not counted; the
-        chunk that completes them writes them again and counts them)."""
-        segs = self.plan.segments
+        """Per layer, one unit per (source rank, destination rank) pair of the plan: every
+        page's writes as arrays, then one immediate for the destination rank that counts the
+        post's complete pages (pages cut by the chunk are written but not counted; the chunk
+        that completes them writes them again and counts them)."""
         src = np.asarray(cmd.src_pages, dtype=np.int64)[:, None]
         dst = np.asarray(cmd.dst_pages, dtype=np.int64)[:, None]
-        src_off = (src * self.plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
-        dst_off = (dst * self.plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
-        nbytes = np.tile([g.nbytes for g in segs], len(cmd.src_pages))
-        count = cmd.imm_pages * sum(self.plan.imms_per_page_layer_by_dst_rank().values())
-        imm = pack_imm(cmd.slot, count) if count else None
+        pairs = []
+        for (s, d), segs in self.pair_segments.items():
+            src_off = (src * self.plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
+            dst_off = (dst * self.plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
+            nbytes = np.tile([g.nbytes for g in segs], len(cmd.src_pages))
+            imm = pack_imm(cmd.slot, cmd.imm_pages, d) if cmd.imm_pages else None
+            pairs.append((s, d, src_off, dst_off, nbytes, imm))
         return [
-            Unit(WriteArray(f"kv{layer}", f"kv{layer}", src_off, dst_off, nbytes), imm)
+            Unit(WriteArray(region(layer, s), region(layer, d), so, do, n), imm)
             for layer in cmd.layers
+            for s, d, so, do, n, imm in pairs
         ]
 
     def meta_unit(self, cmd: m.PostMetadata) -> Unit:

@@ -17,21 +17,27 @@ from disagg.errors import DisaggError
 from disagg.hw.control import register
 
 META_SLOTS = 4096  # rows of the decode side's metadata buffer (one per in-flight request)
-SLOT_BITS = 16  # an immediate is (count << 16) | slot: which request, and how many write units
+SLOT_BITS = 16  # an immediate is (count << 16) | (rank << 12) | slot
+RANK_SHIFT = 12  # slots are below META_SLOTS = 1 << 12: the field's top 4 bits name the rank
+MAX_RANKS = 1 << (SLOT_BITS - RANK_SHIFT)
 
 
-def pack_imm(slot: int, count: int) -> int:
+def pack_imm(slot: int, count: int, rank: int = 0) -> int:
     """The 32-bit immediate of a post that completes `count` counted units of request `slot`
-    (units of one post ride one queue pair in order, so the last write's immediate vouches
-    for all of them)."""
-    if not 0 <= slot < 1 << SLOT_BITS or not 0 < count < 1 << (32 - SLOT_BITS):
+    in the KV memory of destination rank `rank` of the decode node (units of one post ride one
+    queue pair in order, so the last write's immediate vouches for all of them). One engine
+    drives every rank of a node, so the immediate itself says whose memory was written."""
+    if not 0 <= slot < META_SLOTS or not 0 < count < 1 << (32 - SLOT_BITS):
         raise DisaggError(f"immediate out of range: slot {slot}, count {count}")
-    return count << SLOT_BITS | slot
+    if not 0 <= rank < MAX_RANKS:
+        raise DisaggError(f"immediate out of range: rank {rank} (at most {MAX_RANKS} ranks)")
+    return count << SLOT_BITS | rank << RANK_SHIFT | slot
 
 
-def unpack_imm(imm: int) -> tuple[int, int]:
-    """(slot, count) of an immediate made by `pack_imm`."""
-    return imm & ((1 << SLOT_BITS) - 1), imm >> SLOT_BITS
+def unpack_imm(imm: int) -> tuple[int, int, int]:
+    """(slot, count, rank) of an immediate made by `pack_imm`."""
+    low = imm & ((1 << SLOT_BITS) - 1)
+    return low & (META_SLOTS - 1), imm >> SLOT_BITS, low >> RANK_SHIFT
 
 
 @register
@@ -144,10 +150,22 @@ class NodeConfig:
     # the control plane's shared secret from the driver that spawns this server (None: this
     # server finds its own, disagg.hw.auth.control_secret); it crosses the spawn, nothing else
     secret: bytes | None = field(default=None, repr=False)
+    # a node of tp > 1: the directory its ranks share (the group's store, each rank's KV
+    # memory); the driver makes it, one per node
+    tp_dir: str = ""
 
     @property
     def name(self) -> str:
         return f"{self.role}{self.index}"
+
+    @property
+    def tp(self) -> int:
+        """The node's ranks: `cluster.<role>.tp` of the experiment."""
+        return int(self.experiment["cluster"][self.role]["tp"])
+
+    def rank_name(self, rank: int) -> str:
+        """A rank's process name: the node's for its leader (rank 0), `name.r<rank>` else."""
+        return self.name if rank == 0 else f"{self.name}.r{rank}"
 
     @property
     def senders(self) -> set[str]:

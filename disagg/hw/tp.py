@@ -74,14 +74,21 @@ def join(
     backend: str = "gloo",
     timeout_s: float = 60.0,
     expert_parallel: bool = False,
+    op_timeout_s: float | None = None,
 ) -> TensorParallel:
     """Join the default process group of `size` ranks through a FileStore at `init_file`
-    (every rank of one host passes the same path); ConfigError naming the rank on a timeout."""
+    (every rank of one host passes the same path); ConfigError naming the rank on a timeout.
+    `op_timeout_s`: how long a collective may wait for the other ranks (`timeout_s` if None;
+    if given, the returned `group` is a second group of the same ranks, that patient)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.FileStore(init_file, size)
         store.set_timeout(timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        if op_timeout_s is not None:  # the same ranks, patient (formed at once: all are here)
+            ops = datetime.timedelta(seconds=op_timeout_s)
+            group = dist.new_group(list(range(size)), timeout=ops)
+            return TensorParallel(rank, size, group, expert_parallel)
     except (RuntimeError, ValueError) as err:
         raise ConfigError(
             f"tp rank {rank} of {size} could not join the group at {init_file} "
