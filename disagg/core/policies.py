@@ -161,6 +161,17 @@ class FcfsConfig(SchedulerPolicy):
         return DecodeScheduler(args.group.max_batch, args.tokens_per_step)
 
 
+def colocated(
+    cls: type[ColocatedScheduler], args: SchedulerArgs, **settings: int
+) -> ColocatedScheduler:
+    """A colocated scheduler of class `cls` for the node of `args`, with the policy's own
+    `settings` as keywords."""
+    g = args.group
+    return cls(
+        args.pool, g.token_budget, g.max_batch, args.tokens_per_step, args.decode_qo, **settings
+    )
+
+
 @SCHEDULERS.register
 class ChunkedConfig(SchedulerPolicy):
     """Colocated nodes: running decodes first, prompt chunks fill the rest of the token
@@ -170,10 +181,7 @@ class ChunkedConfig(SchedulerPolicy):
     roles = ("colocated",)
 
     def build(self, args: SchedulerArgs) -> Scheduler:
-        g = args.group
-        return ColocatedScheduler(
-            args.pool, g.token_budget, g.max_batch, args.tokens_per_step, args.decode_qo
-        )
+        return colocated(ColocatedScheduler, args)
 
 
 @SCHEDULERS.register
@@ -185,10 +193,7 @@ class PrefillFirstConfig(SchedulerPolicy):
     roles = ("colocated",)
 
     def build(self, args: SchedulerArgs) -> Scheduler:
-        g = args.group
-        return PrefillFirstScheduler(
-            args.pool, g.token_budget, g.max_batch, args.tokens_per_step, args.decode_qo
-        )
+        return colocated(PrefillFirstScheduler, args)
 
 
 @SCHEDULERS.register
@@ -201,15 +206,7 @@ class DecodePriorityConfig(SchedulerPolicy):
     chunk_with_decodes: int = Field(default=256, gt=0)
 
     def build(self, args: SchedulerArgs) -> Scheduler:
-        g = args.group
-        return DecodePriorityScheduler(
-            args.pool,
-            g.token_budget,
-            g.max_batch,
-            self.chunk_with_decodes,
-            args.tokens_per_step,
-            args.decode_qo,
-        )
+        return colocated(DecodePriorityScheduler, args, chunk_with_decodes=self.chunk_with_decodes)
 
 
 DEFAULT_SCHEDULERS = {"prefill": "fifo", "decode": "fcfs", "colocated": "chunked"}  # by role

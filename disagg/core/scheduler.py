@@ -257,9 +257,10 @@ class DecodePriorityScheduler(ColocatedScheduler):
         pool: PagePool,
         token_budget: int,
         max_batch: int,
-        chunk_with_decodes: int,
         tokens_per_step: float = 1.0,
         decode_qo: int = 1,
+        *,
+        chunk_with_decodes: int,
     ) -> None:
         super().__init__(pool, token_budget, max_batch, tokens_per_step, decode_qo)
         _check_positive("decode_priority chunk_with_decodes", chunk_with_decodes)
