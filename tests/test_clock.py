@@ -104,3 +104,56 @@ def test_clock_signal_succeeds_once_and_has_no_value_before() -> None:
         signal.succeed()
     env.run(until=1.0)
     assert signal.processed
+
+
+def test_clock_call_takes_a_timeouts_place_in_the_order() -> None:
+    env = Clock()
+    log: list[tuple[float, str]] = []
+    env.timeout(1.0).callbacks.append(lambda _: log.append((env.now, "timeout a")))
+    env.call(1.0, lambda: log.append((env.now, "call")))
+    env.timeout(1.0).callbacks.append(lambda _: log.append((env.now, "timeout b")))
+    env.call(0.5, lambda: log.append((env.now, "early call")))
+    env.run(until=2.0)
+    assert log == [(0.5, "early call"), (1.0, "timeout a"), (1.0, "call"), (1.0, "timeout b")]
+    env.call(1.0, log.clear)  # not a plain function: wrapped
+    env.step()
+    assert log == [] and env.now == 3.0
+
+
+def test_clock_start_runs_delays_events_and_the_first_of_a_delay_and_a_signal() -> None:
+    env = Clock()
+    log: list[tuple[float, str]] = []
+    wake = env.event()
+
+    def proc() -> Generator[Any, Any, None]:
+        log.append((env.now, "start"))
+        yield 1.5
+        log.append((env.now, "after 1.5"))
+        yield 10.0, wake  # woken at 2.0, before the delay's end
+        log.append((env.now, "woken"))
+        yield 0.25, env.event()  # never succeeds: the delay ends it
+        log.append((env.now, "delay first"))
+        yield env.timeout(1.0)
+        log.append((env.now, "after a timeout"))
+
+    env.start(proc())
+    env.call(2.0, lambda: wake.succeed())
+    env.run(until=20.0)
+    assert log == [
+        (0.0, "start"),
+        (1.5, "after 1.5"),
+        (2.0, "woken"),
+        (2.25, "delay first"),
+        (3.25, "after a timeout"),
+    ]
+
+
+def test_clock_start_rejects_a_negative_delay() -> None:
+    env = Clock()
+
+    def proc() -> Generator[Any, Any, None]:
+        yield -1.0
+
+    env.start(proc())
+    with pytest.raises(ValueError, match=r"Negative delay -1\.0"):
+        env.run(until=1.0)

@@ -172,6 +172,19 @@ def test_over_count_and_stale_immediates_are_counted_never_a_crash() -> None:
     assert dec.on_immediates(msg.slot, 5) == [Ready(1)]
 
 
+def test_immediates_by_rank_count_as_one_call_per_rank_in_order() -> None:
+    """A post's immediates for several ranks at once: each rank checked as `on_immediates`
+    would; a rank outside the plan is excess, and after the transfer completes the rest are
+    stale."""
+    dec, pre = sides()
+    msg = handoff(dec, pre, Request(1, 0.0, 17, 2))  # 1 page: 4 layers + metadata = 5 on rank 0
+    assert dec.on_immediates_by_rank(msg.slot, {0: 2, 3: 1}) == []
+    assert dec.excess_immediates == 1 and dec.stale_immediates == 0
+    assert dec.on_immediates_by_rank(msg.slot, {0: 3, 2: 4}) == [Ready(1)]
+    assert dec.stale_immediates == 4  # rank 2's, after the transfer closed
+    assert dec.on_immediates_by_rank(msg.slot, {0: 1}) == [] and dec.stale_immediates == 5
+
+
 def test_one_token_prompt_is_ready_without_prefill() -> None:
     dec, _ = sides()
     assert dec.submit(Request(1, 0.0, 1, 4), PREFILL) == [Ready(1)]

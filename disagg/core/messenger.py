@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -297,6 +297,29 @@ class DecodeMessenger:
         self._close(slot)
         inb.req.status = Status.READY
         return [Ready(inb.req.id)]
+
+    def on_immediates_by_rank(self, slot: int, counts: Mapping[int, int]) -> list[Command]:
+        """`on_immediates(slot, count, rank)` for each (rank, count) of `counts`, in order, in
+        one call; the commands of them all (after the one that completes the transfer, the
+        rest are stale)."""
+        cmds: list[Command] = []
+        for rank, count in counts.items():
+            inb = self.inbound.get(slot)
+            if inb is None:
+                self.stale_immediates += count
+                continue
+            got = inb.received.get(rank, 0) + count
+            if got > inb.expected.get(rank, 0):
+                self.excess_immediates += count
+                continue
+            inb.received[rank] = got
+            inb.left -= count
+            if inb.left or inb.received != inb.expected:
+                continue
+            self._close(slot)
+            inb.req.status = Status.READY
+            cmds.append(Ready(inb.req.id))
+        return cmds
 
     def _close(self, slot: int, reuse: bool = True) -> _Inbound:
         inb = self.inbound.pop(slot)

@@ -306,11 +306,9 @@ class DecodeRole(_Dispatch):
 
     def on_immediates_by_rank(self, slot: int, counts: Mapping[int, int]) -> None:
         """`on_immediates(slot, count, rank)` for each rank of `counts`, in its order."""
-        landed = self.messenger.on_immediates
-        for rank, count in counts.items():
-            cmds = landed(slot, count, rank)
-            if cmds:
-                self.dispatch(cmds)
+        cmds = self.messenger.on_immediates_by_rank(slot, counts)
+        if cmds:
+            self.dispatch(cmds)
 
     def on_peer_dead(self, prefill_node: int, reason: str) -> None:
         self.dispatch(self.messenger.on_peer_dead(prefill_node, reason))

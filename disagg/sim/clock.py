@@ -1,16 +1,20 @@
 """The simulator's SimPy environment, with lighter events and a lighter run loop.
 
 `Clock` is a `simpy.Environment` whose `timeout` and `event` return a `Timer` and a `Signal`
-(the few fields that the event loop and SimPy processes read, with no `Event` machinery) and
-whose `run(until=t)` steps events in a loop of its own. Events are processed in SimPy's order,
-by (time, priority, insertion), and the `until` mark is scheduled as SimPy schedules it, so a
-simulation gives the same result, bit for bit, on either environment. (The simulator's hot
-paths read the time as `env._now`, the field behind SimPy's `now` property.)
+(the few fields that the event loop and SimPy processes read, with no `Event` machinery), whose
+`call` schedules a plain function and `start` runs a generator as a light process (no event
+objects at all), and whose `run(until=t)` steps events in a loop of its own. Everything is
+processed in SimPy's order, by (time, priority, insertion): a `call` takes the place a timeout
+made at that moment would, a `start` the place of a process started then, and the `until` mark
+is scheduled as SimPy schedules it. (The simulator's hot paths read the time as `env._now`, the
+field behind SimPy's `now` property.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from heapq import heappop, heappush
+from types import FunctionType
 from typing import Any
 
 import simpy
@@ -96,6 +100,63 @@ class Clock(simpy.Environment):
         heappush(queue, (self._now + delay, NORMAL, next(self._eid), timer))
         return timer
 
+    def call(self, delay: float, fn: Callable[[], Any]) -> None:
+        """Call `fn()` `delay` seconds from now, in the place a timeout made now would have in
+        the order, with no event object: the queue holds the function itself."""
+        if fn.__class__ is not FunctionType:  # the loops tell a call by its type
+            fn = _wrap(fn)
+        queue: list[Any] = self._queue  # SimPy types it as holding Events only
+        heappush(queue, (self._now + delay, NORMAL, next(self._eid), fn))
+
+    def start(self, gen: Generator[Any, Any, Any]) -> None:
+        """Run `gen` as a light process (started as SimPy starts a process: first of the
+        events due now). It yields what it waits for: a delay in seconds, an event (`Signal`,
+        `Timer`), or `(delay_s, signal)`: whichever comes first, the signal or the delay's end
+        (the other is then ignored). Each resume sends it None; its exceptions propagate out of
+        `run`. Unlike a SimPy process it is no event: nothing can wait for its end."""
+        call = self.call
+
+        def resume(_: Any = None) -> None:
+            try:
+                target = gen.send(None)
+            except StopIteration:
+                return
+            cls = target.__class__
+            if cls is float:
+                if target < 0:
+                    raise ValueError(f"Negative delay {target}")
+                call(target, resume)
+            elif cls is Signal or cls is Timer or isinstance(target, simpy.Event):
+                if target.callbacks is None:  # already processed: go on at once
+                    call(0.0, resume)
+                else:
+                    target.callbacks.append(resume)
+            elif cls is tuple:
+                delay_s, signal = target
+                waiting = [True]
+
+                def first(_: Any = None) -> None:
+                    if waiting[0]:
+                        waiting[0] = False
+                        resume()
+
+                signal.callbacks.append(first)
+                call(_delay(delay_s), first)
+            else:
+                call(_delay(target), resume)
+
+        queue: list[Any] = self._queue
+        heappush(queue, (self._now, URGENT, next(self._eid), resume))
+
+    def step(self) -> None:
+        """SimPy's `step`, which also runs a `call`."""
+        queue: list[Any] = self._queue
+        if queue and queue[0][3].__class__ is FunctionType:
+            self._now, _, _, fn = heappop(queue)
+            fn()
+            return
+        super().step()
+
     def run(self, until: Any = None) -> Any:
         """SimPy's `run`; a number `until` is run by the loop here, in SimPy's order."""
         if until is None or isinstance(until, simpy.Event):
@@ -108,6 +169,9 @@ class Clock(simpy.Environment):
         heappush(queue, (self._now + (at - self._now), URGENT, next(self._eid), stop))
         while True:  # the queue holds `stop` until it is popped
             self._now, _, _, event = heappop(queue)
+            if event.__class__ is FunctionType:  # a `call`
+                event()
+                continue
             if event is stop:
                 return None
             callbacks, event.callbacks = event.callbacks, None
@@ -117,3 +181,13 @@ class Clock(simpy.Environment):
                 exc = type(event._value)(*event._value.args)  # as simpy's step: a copy
                 exc.__cause__ = event._value
                 raise exc
+
+
+def _wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: fn()
+
+
+def _delay(delay_s: float) -> float:
+    if delay_s < 0:
+        raise ValueError(f"Negative delay {delay_s}")
+    return delay_s

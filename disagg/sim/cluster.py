@@ -1,10 +1,10 @@
-"""Simulated nodes driving the core roles: SimPy processes for prefill, decode and colocated
-nodes.
+"""Simulated nodes driving the core roles: light processes (`Clock.start`) for prefill, decode
+and colocated nodes.
 
 Each node is the port of its core role (disagg.core.roles): it asks the role for a batch, holds
 for the cost model's step time, and reports the pass's end; what the role asks of the port is
 carried out here (control messages after a control-plane latency, writes as network flows,
-timers as SimPy timeouts). A decode node runs identical decode passes between batch changes as
+timers as clock calls). A decode node runs identical decode passes between batch changes as
 one event (`_decode_run`), so an hour of cluster traffic costs a few events per request, not
 one per token.
 """
@@ -28,7 +28,7 @@ from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
 from disagg.core.router import Router
-from disagg.core.scheduler import Batch
+from disagg.core.scheduler import Batch, DecodeScheduler
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
 from disagg.faults import (
@@ -46,7 +46,7 @@ from disagg.sim.costmodel import StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
 
-Proc = Generator[simpy.Event, Any, None]
+Proc = Generator[Any, Any, None]  # run by Clock.start: yields delays (s) and events
 
 
 def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
@@ -121,7 +121,7 @@ class Node:
     def stop(self, for_s: float) -> None:
         """Freeze for `for_s`: the pass in flight ends, and events are handled, at the resume."""
         self.stopped_until = max(self.stopped_until, self.env._now + for_s)
-        self.env.timeout(for_s).callbacks.append(lambda _: self._resume())
+        self.env.call(for_s, self._resume)
 
     def _resume(self) -> None:
         if self.dead or self.env._now < self.stopped_until:
@@ -134,7 +134,7 @@ class Node:
     def frozen(self) -> Proc:
         """Wait while the node is stopped."""
         while self.env._now < self.stopped_until:
-            yield self.env.timeout(self.stopped_until - self.env._now)
+            yield self.stopped_until - self.env._now
 
     # -- the port
     def now(self) -> float:
@@ -189,43 +189,35 @@ class Node:
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
-    ) -> Generator[simpy.Event, Any, tuple[int, float]]:
+    ) -> Generator[Any, Any, tuple[int, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight); returns the passes run and when the first ended.
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
         a, b = self.cost.decode_line(len(decodes))
-        k0 = float(sum(r.prompt_tokens + int(r.generated) for r in decodes))
+        context, least = 0, math.inf  # context tokens; output left of the nearest its end
+        for r in decodes:
+            generated = r.generated
+            context += r.prompt_tokens + int(generated)
+            if r.output_tokens - generated < least:
+                least = r.output_tokens - generated
+        k0 = float(context)
         grow = len(decodes) * tokens_per_step
 
         def elapsed(k: int) -> float:
             return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
 
-        # steps_to_finish of the request nearest its end
-        n = max(1, -int(-min(r.output_tokens - r.generated for r in decodes) // tokens_per_step))
+        n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         env = self.env
         t0, all_s = env._now, elapsed(n)
-        yield _first(env, env.timeout(all_s), self.sleep())
+        yield all_s, self.sleep()  # the first of the passes' end and a wake
         steps, now = n, env._now
         if now < t0 + all_s and interruptible():
             steps = min(n, _passes_done(elapsed, now - t0, n) + 1)
-            yield env.timeout(t0 + elapsed(steps) - now)
+            yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
-            yield env.timeout(t0 + all_s - now)
+            yield t0 + all_s - now
         return steps, t0 + elapsed(1)
-
-
-def _first(env: simpy.Environment, *events: simpy.Event) -> simpy.Event:
-    """An event triggered when the first of `events` is processed (`a | b`, lighter)."""
-    first = env.event()
-
-    def check(_: simpy.Event) -> None:
-        if not first.triggered:
-            first.succeed()
-
-    for event in events:
-        event.callbacks.append(check)
-    return first
 
 
 def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
@@ -257,7 +249,7 @@ class PrefillNode(Node):
         self.layers = exp.model.spec.layers
         self.role = PrefillRole(idx, self, self.pool, group, exp.transfer, self.layers)
         self.pass_step: tuple[float, float] | None = None  # (start, duration) of the running pass
-        self.env.process(self.loop())
+        self.env.start(self.loop())
 
     def post(self, cmd: PostWrites | PostMetadata) -> None:
         """A post made during a pass takes its layers' times from the pass; one made between
@@ -275,7 +267,7 @@ class PrefillNode(Node):
         self.pass_step = (t0, self.cost.step_time(self.shape(batch)))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
-        yield self.env.timeout(self.pass_step[1])
+        yield self.pass_step[1]
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         self.pass_step = None
@@ -294,11 +286,10 @@ class DecodeNode(Node):
         self.tps = sim.exp.spec.accepted_tokens_per_step
         t = sim.exp.transfer
         self.role = DecodeRole(idx, self, self.pool, group, t, sim.transfers.expected, self.tps)
-        self.env.process(self.loop())
+        self.env.start(self.loop())
 
     def set_timer(self, at_s: float) -> None:
-        timer = self.env.timeout(max(0.0, at_s - self.env._now))
-        timer.callbacks.append(lambda _: self.deliver(self.role.on_timer))
+        self.env.call(max(0.0, at_s - self.env._now), lambda: self.deliver(self.role.on_timer))
 
     def route(self, req: Request) -> int:
         return self.sim.route(req)
@@ -326,7 +317,7 @@ class ColocatedNode(Node):
         self.tps = sim.exp.spec.accepted_tokens_per_step
         decode_qo = 1 + sim.exp.spec.draft_tokens
         self.role = ColocatedRole(idx, self, self.pool, group, self.tps, decode_qo)
-        self.env.process(self.loop())
+        self.env.start(self.loop())
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env._now
@@ -335,7 +326,7 @@ class ColocatedNode(Node):
             steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
         else:
             steps = 1
-            yield self.env.timeout(self.cost.step_time(self.shape(batch)))
+            yield self.cost.step_time(self.shape(batch))
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
@@ -347,7 +338,18 @@ class ColocatedNode(Node):
 def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
     """The index of the node `router` picks, given every node's current load (the requests
     its role holds), passing over dead nodes; None if all are dead."""
-    loads = {i: math.inf if n.dead else len(n.role) for i, n in enumerate(nodes)}
+    loads: dict[int, float] = {}
+    for i, n in enumerate(nodes):
+        role = n.role
+        if n.dead:
+            loads[i] = math.inf
+        elif role.__class__ is DecodeRole and role.scheduler.__class__ is DecodeScheduler:
+            # len(role), inlined (DecodeRole.__len__ and DecodeScheduler.__len__): the router
+            # reads it for every node on every arrival
+            m, sched = role.messenger, role.scheduler
+            loads[i] = len(m.waiting) + len(m.inbound) + len(sched.ready) + len(sched.running)
+        else:
+            loads[i] = len(role)
     for _ in nodes:
         i = router.pick(loads)
         if not nodes[i].dead:
@@ -400,13 +402,13 @@ class Sim:
         self.by_name = {n.name: n for n in self.nodes}
         for fault in exp.faults:
             self._check_fault(fault)
-            self.env.process(self._inject(fault))
-        self.env.process(self._arrive())
+            self.env.start(self._inject(fault))
+        self.env.start(self._arrive())
 
     def _arrive(self) -> Proc:
         for a in self.arrivals:
             if a.arrival_s > self.env._now:
-                yield self.env.timeout(a.arrival_s - self.env._now)
+                yield a.arrival_s - self.env._now
             req = Request(a.request_id, a.arrival_s, a.prompt_tokens, a.output_tokens)
             self.requests[req.id] = req
             node = _pick(self.route_main, self.colocated or self.decodes)
@@ -441,8 +443,7 @@ class Sim:
             now = self.env._now
             ends = (sender.name, target.name)
             latency += sum(d for n, t0, t1, d in self.delays if n in ends and t0 <= now < t1)
-        deliver = lambda _: target.deliver(lambda: target.role.on_message(msg))  # noqa: E731
-        self.env.timeout(latency).callbacks.append(deliver)
+        self.env.call(latency, lambda: target.deliver(lambda: target.role.on_message(msg)))
 
     def post(
         self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
@@ -480,14 +481,14 @@ class Sim:
 
     def _inject(self, fault: Fault) -> Proc:
         """Make `fault` happen at its time (and end after its duration)."""
-        yield self.env.timeout(fault.at_s)
+        yield fault.at_s
         node = self.by_name[fault.node]
         if isinstance(fault, Kill):
             self._kill(node, f"{node.name} died ({fault.label()})")
         elif isinstance(fault, Stop):
             node.stop(fault.for_s)
             if fault.for_s > self.exp.hw.dead_after_s:  # its peers hear nothing: it is dead
-                yield self.env.timeout(self.exp.hw.dead_after_s)
+                yield self.exp.hw.dead_after_s
                 self._declare_dead(node, f"no heartbeat ({fault.label()})")
         elif isinstance(fault, NicDown | NicDegrade):
             key = ("prefill", node.idx, fault.nic)
@@ -495,7 +496,7 @@ class Sim:
             if isinstance(fault, NicDegrade):
                 rate = min(1.0, fault.gbps * 1e9 / 8 / self.transfers.node.nic.bandwidth_bps)
             self.network.set_rate(key, rate)
-            yield self.env.timeout(fault.for_s)
+            yield fault.for_s
             self.network.set_rate(key, 1.0)
         elif isinstance(fault, DropConnection):
             pair = (node.idx, self.by_name[fault.peer].idx)
@@ -515,9 +516,7 @@ class Sim:
                     self.lost[req.id] = reason
                     self.finished += 1
                     self.failed_at_s.append(self.env._now)
-        self.env.timeout(self.exp.hw.dead_after_s).callbacks.append(
-            lambda _: self._declare_dead(node, reason)
-        )
+        self.env.call(self.exp.hw.dead_after_s, lambda: self._declare_dead(node, reason))
 
     def _declare_dead(self, node: Node, reason: str) -> None:
         """`node`'s peers think it dead (it may be only stopped)."""

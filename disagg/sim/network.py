@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import simpy
 
 from disagg.hardware import NIC
+from disagg.sim.clock import Clock
 
 EPS = 1e-12
 
@@ -42,15 +44,38 @@ class _State:
     rate: float  # fraction of the NIC's bandwidth it moves (a fault: down 0, degraded)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A flow's work resolved to NICs: (key, NIC, seconds of work > 0) each, and the largest
+    latency of those NICs (0 if none)."""
+
+    nics: tuple[tuple[Hashable, _Nic, float], ...]
+    latency_s: float
+
+
 @dataclass
 class _Nic:
     spec: NIC
     state: _State
-    busy_s: float = 0.0  # time with at least one active part
+    busy_s: float = 0.0  # time with at least one active part, up to `since_s` if active
+    since_s: float = 0.0  # when it last became active
 
     @property
     def rate(self) -> float:
         return self.state.rate
+
+
+def _leave(states: dict[_State, int], st: _State) -> None:
+    """One NIC fewer in `st`."""
+    n = states[st] - 1
+    if n:
+        states[st] = n
+    else:
+        del states[st]
+
+
+def _call_by_timeout(env: simpy.Environment, delay: float, fn: Callable[[], None]) -> None:
+    env.timeout(delay).callbacks.append(lambda _: fn())
 
 
 def _succeed(event: simpy.Event) -> None:
@@ -62,9 +87,14 @@ class Network:
 
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
+        # a call `delay` s from now: the Clock's, or a timeout's on another environment
+        self.call: Callable[[float, Callable[[], None]], None] = (
+            env.call if isinstance(env, Clock) else partial(_call_by_timeout, env)
+        )
         self.nics: dict[Hashable, _Nic] = {}
         self._order: dict[Hashable, int] = {}  # a NIC's place in `nics`
         self._active: dict[Hashable, _Nic] = {}  # the NICs with parts (any order)
+        self._states: dict[_State, int] = {}  # the states of active NICs: how many NICs each
         self._idle: dict[float, _State] = {}  # the state of an idle NIC, by rate
         self._last_s = 0.0
         self._generation = 0
@@ -89,7 +119,12 @@ class Network:
         self._advance()
         nic = self.nics[key]
         st = nic.state
-        nic.state = _State(st.work_s, st.flows, rate) if st.flows else self._idle_state(rate)
+        if st.flows:
+            nic.state = _State(st.work_s, st.flows, rate)
+            _leave(self._states, st)
+            self._states[nic.state] = 1
+        else:
+            nic.state = self._idle_state(rate)
         self._reschedule()
 
     def transfer(self, work: Mapping[Any, float], not_before_s: float = 0.0) -> simpy.Event:
@@ -106,64 +141,68 @@ class Network:
         waits for the latency or `not_before_s`, from the timer that ends it)."""
         self._start(_Flow(0, None, not_before_s, 0.0, then), work)
 
+    def parts(self, work: Mapping[Any, float]) -> Parts:
+        """`work` resolved for `transfer_parts`: the NICs with work, and the flow's latency."""
+        parts = tuple((key, self.nics[key], w) for key, w in work.items() if w > 0)
+        return Parts(parts, max((nic.spec.latency_s for _, nic, _ in parts), default=0.0))
+
+    def transfer_parts(self, parts: Parts, not_before_s: float, then: Callable[[], None]) -> None:
+        """`transfer_then` of a flow resolved by `parts` (valid while the NICs stay added)."""
+        self._begin(_Flow(0, None, not_before_s, 0.0, then), parts)
+
     def _start(self, flow: _Flow, work: Mapping[Any, float]) -> None:
+        self._begin(flow, self.parts(work))
+
+    def _begin(self, flow: _Flow, parts: Parts) -> None:
         self._advance()
-        latency, parts = -math.inf, 0
         added: dict[tuple[_State, float], _State] = {}
-        for key, w in work.items():
-            if w > 0:
-                nic = self.nics[key]
-                latency = max(latency, nic.spec.latency_s)
-                st = nic.state
-                new = added.get((st, w))
-                if new is None:
-                    new = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate)
-                nic.state = new
-                self._active[key] = nic
-                parts += 1
-        flow.parts_left, flow.latency_s = parts, latency if parts else 0.0
-        if not parts:
+        active, states, now = self._active, self._states, self.env._now
+        for key, nic, w in parts.nics:
+            st = nic.state
+            new = added.get((st, w))
+            if new is None:
+                new = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate)
+                states[new] = 0
+            nic.state = new
+            states[new] += 1
+            if st.flows:
+                _leave(states, st)
+            else:  # idle until now
+                nic.since_s = now
+            active[key] = nic
+        flow.parts_left, flow.latency_s = len(parts.nics), parts.latency_s
+        if not parts.nics:
             self._finish(flow)
         self._reschedule()
 
     def _advance(self) -> None:
-        """Serve every active part for the time since the last update."""
+        """Serve every active part for the time since the last update (once per state: the
+        NICs sharing a state see it served)."""
         dt = self.env._now - self._last_s
         self._last_s = self.env._now
         if dt <= 0:
             return
-        served: dict[_State, _State] = {}
-        for nic in self._active.values():
-            nic.busy_s += dt
-            st = nic.state
-            new = served.get(st)
-            if new is None:
-                share = dt * st.rate / len(st.work_s)
-                new = served[st] = _State([w - share for w in st.work_s], st.flows, st.rate)
-            nic.state = new
+        for st in self._states:
+            share = dt * st.rate / len(st.work_s)
+            st.work_s = [w - share for w in st.work_s]  # a new list: others may hold the old
 
     def _reschedule(self) -> None:
         nxt = math.inf
-        for st in {nic.state for nic in self._active.values()}:
+        for st in self._states:
             if st.rate > 0:
                 nxt = min(nxt, min(st.work_s) * len(st.work_s) / st.rate)
         if nxt == math.inf:
             return
         self._generation += 1
         gen = self._generation
-        timer = self.env.timeout(max(nxt, 0.0))
-        timer.callbacks.append(lambda _: self._on_timer(gen))
+        self.call(max(nxt, 0.0), lambda: self._on_timer(gen))
 
     def _on_timer(self, gen: int) -> None:
         if gen != self._generation:
             return  # superseded by a later arrival
         self._advance()
-        active = self._active
-        ending = {
-            st
-            for st in {nic.state for nic in active.values()}
-            if min(st.work_s) <= EPS * max(1, len(st.work_s))
-        }
+        active, states = self._active, self._states
+        ending = {st for st in states if min(st.work_s) <= EPS * max(1, len(st.work_s))}
         if not ending:
             self._reschedule()
             return
@@ -174,23 +213,24 @@ class Network:
                 (k for k, nic in active.items() if nic.state in ending), key=self._order.__getitem__
             )
         split: dict[_State, tuple[list[_Flow], _State]] = {}
+        for st in ending:
+            eps = EPS * max(1.0, len(st.work_s))
+            pairs = list(zip(st.work_s, st.flows, strict=True))
+            left = [w for w, _ in pairs if w > eps]
+            if left:
+                new = _State(left, [f for w, f in pairs if w > eps], st.rate)
+                states[new] = states[st]
+            else:
+                new = self._idle_state(st.rate)
+            del states[st]
+            split[st] = ([f for w, f in pairs if w <= eps], new)
+        now = self.env._now
         for key in keys:  # flows end in the order of their NICs
             nic = active[key]
-            st = nic.state
-            hit = split.get(st)
-            if hit is None:
-                eps = EPS * max(1.0, len(st.work_s))
-                pairs = list(zip(st.work_s, st.flows, strict=True))
-                left = [w for w, _ in pairs if w > eps]
-                new = (
-                    _State(left, [f for w, f in pairs if w > eps], st.rate)
-                    if left
-                    else self._idle_state(st.rate)
-                )
-                hit = split[st] = ([f for w, f in pairs if w <= eps], new)
-            done, nic.state = hit
+            done, nic.state = split[nic.state]
             if not nic.state.flows:
                 del active[key]
+                nic.busy_s += now - nic.since_s
             for flow in done:
                 flow.parts_left -= 1
                 if flow.parts_left == 0:
@@ -202,12 +242,8 @@ class Network:
         done, then = flow.done, flow.then
         if done is None:  # transfer_then
             assert then is not None
-            if at <= self.env._now:
-                done = self.env.event()
-                done.callbacks.append(lambda _: then())
-            else:
-                self.env.timeout(at - self.env._now).callbacks.append(lambda _: then())
-                return
+            self.call(max(0.0, at - self.env._now), then)  # an event's place in the order
+            return
         if at <= self.env._now:
             done.succeed()
         else:
@@ -217,4 +253,6 @@ class Network:
     def utilisation(self, key: Hashable) -> float:
         """Fraction of the elapsed simulated time the NIC had work."""
         self._advance()
-        return self.nics[key].busy_s / self.env._now if self.env._now else 0.0
+        nic, now = self.nics[key], self.env._now
+        busy_s = nic.busy_s + (now - nic.since_s if nic.state.flows else 0.0)
+        return busy_s / now if now else 0.0

@@ -24,7 +24,7 @@ from disagg.core.sharding import (
     plan_transfer,
     shard_layout,
 )
-from disagg.sim.network import Network
+from disagg.sim.network import Network, Parts
 
 PLANS_PER_PAIR = 8  # distinct replica assignments drawn per (prefill group, decode group)
 METADATA: MetadataKind = (
@@ -44,8 +44,8 @@ class PlanCost:
     metadata_bytes: int
 
 
-# a post's load: NIC work (s) and bytes by NIC, the largest work, total bytes, total ops
-_Load = tuple[dict[tuple[str, int, int], float], dict[tuple[str, int, int], int], float, int, int]
+# a post's load: NIC work (resolved) and bytes by NIC, the largest work, total bytes, total ops
+_Load = tuple[Parts, dict[tuple[str, int, int], int], float, int, int]
 
 
 class TransferModel:
@@ -159,7 +159,7 @@ class TransferModel:
         }
         nbytes = {("prefill", prefill, n): b for n, (b, _) in load.items()}
         return (
-            work,
+            self.network.parts(work),
             nbytes,
             max(work.values(), default=0.0),
             sum(b for b, _ in load.values()),
@@ -182,7 +182,7 @@ class TransferModel:
         load = self._loads.get((prefill, id(pc), units))
         if load is None:
             load = self._loads[(prefill, id(pc), units)] = self._load(prefill, pc, units)
-        work = load[0]
+        parts = load[0]
         lkey = (prefill, id(pc), units)
         self._posted[lkey] = self._posted.get(lkey, 0) + 1
         start, not_before = env._now, 0.0
@@ -194,9 +194,9 @@ class TransferModel:
 
         def begin() -> None:
             rec.transfer(req, load[3], load[4], env._now)
-            self.network.transfer_then(work, not_before, done)
+            self.network.transfer_parts(parts, not_before, done)
 
         if start > env._now:
-            env.timeout(start - env._now).callbacks.append(lambda _: begin())
+            self.network.call(start - env._now, begin)
         else:
             begin()
