@@ -255,3 +255,31 @@ def test_mixed_rows_give_the_fixed_cost_a_mixed_pass_shares(tmp_path: Path) -> N
     without = ProfileCost(write_profile(tmp_path))  # no mixed rows: the parts' sum
     assert without.mixed_offset_s == 0.0
     assert without.step_time(shape) == pytest.approx(0.001 + 0.0101)
+
+
+def test_a_simulation_on_a_profile_counts_its_extrapolated_passes(tmp_path: Path) -> None:
+    """The summary flags passes the profile costed beyond its grid: 512-4096-token prefills
+    and decode batches of at most 8 cannot cover a 32-batch decode."""
+    from disagg.config import build_experiment
+    from disagg.sim.cluster import Sim
+
+    path = write_profile(tmp_path)
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1, "max_batch": 32}},
+        "cost": {"source": f"profile:{path}"},
+        "workload": {
+            "rate_per_s": 50,
+            "num_requests": 60,
+            "prompt_tokens": {"dist": "fixed", "value": 600},
+            "output_tokens": {"dist": "fixed", "value": 40},
+        },
+    }
+    sim = Sim(build_experiment(data))
+    sim.run()
+    flags = sim.cost_summary()
+    node = sim.nodes[0].cost
+    assert isinstance(node, ProfileCost) and flags["profile_passes"] == node.passes > 0
+    assert 0 < flags["profile_passes_extrapolated"] == node.extrapolated < node.passes
+    roofline = Sim(build_experiment({k: v for k, v in data.items() if k != "cost"}))
+    assert roofline.cost_summary() == {}

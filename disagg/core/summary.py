@@ -144,6 +144,10 @@ class Summary(BaseModel):
     # -- the simulator ------------------------------------------------------------------------
     nic_bytes_max: float | None = _opt("bytes sent by the busiest sending NIC")
     nic_busy_max: float | None = _opt("fraction of the run the busiest NIC was busy")
+    profile_passes: int | None = _opt("passes a measured profile costed (cost.source=profile)")
+    profile_passes_extrapolated: int | None = _opt(
+        "of them, passes beyond the profiled grid (extrapolated)"
+    )
     # -- the hardware backend -----------------------------------------------------------------
     backend: str | None = _opt('"hw" for a hardware run')
     wire: str | None = _opt("the KV wire: tcp, cuda or verbs")

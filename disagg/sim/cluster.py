@@ -42,7 +42,7 @@ from disagg.faults import (
     attribute,
 )
 from disagg.sim.clock import Clock
-from disagg.sim.costmodel import StepShape, chunk_attn_pairs, make_cost_model
+from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
 
@@ -554,6 +554,17 @@ class Sim:
         return {
             "nic_bytes_max": max(self.transfers.nic_bytes.values(), default=0.0),
             "nic_busy_max": max(self.network.utilisation(k) for k in keys),
+        }
+
+    def cost_summary(self) -> dict[str, int]:
+        """With a measured profile as the cost model: the passes it costed, and how many of
+        them lay beyond the profiled grid (extrapolated, so less to be trusted)."""
+        profiles = [n.cost for n in self.nodes if isinstance(n.cost, ProfileCost)]
+        if not profiles:
+            return {}
+        return {
+            "profile_passes": sum(c.passes for c in profiles),
+            "profile_passes_extrapolated": sum(c.extrapolated for c in profiles),
         }
 
     def check_end(self) -> None:
