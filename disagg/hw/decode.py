@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from disagg.core import messenger as m
+from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole
 from disagg.errors import ProtocolError
@@ -80,6 +81,8 @@ class DecodeServer(GeneratingServer):
         self.runner.capture_up_to(group.max_batch)
         self.slots: dict[int, int] = {}
         self.timer_s = math.inf
+        self.prefill_nodes = exp.cluster.prefill.nodes
+        self.prefill_router = make_router(exp.cluster.router, range(self.prefill_nodes))
 
     def announce(self) -> None:
         super().announce()
@@ -99,7 +102,8 @@ class DecodeServer(GeneratingServer):
             self.mark(msg.req_id, "received")
             req = self.accept(msg, msg.req_id in self.role.requests)
             if req is not None:
-                self.role.submit(req, 0)
+                routed = msg.prefill_node >= 0  # parallel handoff: the driver's router chose
+                self.role.submit(req, msg.prefill_node if routed else self.route(req))
                 self.plan_first_pass(req)  # after the handoff has left
         else:
             self.role.on_message(msg)
@@ -120,7 +124,25 @@ class DecodeServer(GeneratingServer):
         self.timer_s = at_s
 
     def route(self, req: Request) -> int:
-        return 0  # the one prefill server
+        """The prefill node the experiment's router picks for `req`, given each prefill
+        node's load as this node sees it (its requests queued for or inbound from there),
+        passing over the nodes it holds dead; node 0 if all are (the handoff times out, as in
+        the simulator)."""
+        loads = dict.fromkeys(range(self.prefill_nodes), 0.0)
+        messenger = self.role.messenger
+        queued = [p for _, p in messenger.waiting] + [
+            i.prefill_node for i in messenger.inbound.values()
+        ]
+        for node in queued:
+            loads[node] = loads.get(node, 0.0) + 1
+        dead = {int(p[7:]) for p in self.dead if p.startswith("prefill")}
+        for node in dead:
+            loads[node] = math.inf
+        for _ in range(self.prefill_nodes):
+            node = self.prefill_router.pick(loads)
+            if node not in dead:
+                return node
+        return 0
 
     def ready(self, req: Request) -> None:
         if req.id in self.slots:  # summed on the device, no sync: the first pass should not

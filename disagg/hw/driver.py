@@ -1,12 +1,14 @@
 """`disagg hw run`: start the servers, replay the workload in real time, collect the tables.
 
-The driver spawns one process per server (one per rank of a node of tp > 1: disagg.hw.ranks),
-or waits for servers started elsewhere with `disagg hw serve`, introduces them to each other,
-replays the experiment's arrivals against the wall clock, and gathers what each request
-finished with. It writes the same requests, steps and transfers tables and summary as
-`disagg sim run`, and one table of its own: `hops`, when each request's control messages left
-and arrived (Server.mark). Every child is stopped on the way out, Ctrl-C included; a server
-(or a rank of one) that dies is an error naming it.
+The driver spawns one process per server (`cluster.<role>.nodes` per role; one per rank of a
+node of tp > 1: disagg.hw.ranks), or waits for servers started elsewhere with `disagg hw
+serve`, introduces every prefill node to every decode node, replays the experiment's arrivals
+against the wall clock, each to the node the experiment's router picks (as the simulator's
+does), and gathers what each request finished with. It writes the same requests, steps and
+transfers tables and summary as `disagg sim run`, and one table of its own: `hops`, when each
+request's control messages left and arrived (Server.mark). Every child is stopped on the way
+out, Ctrl-C included; a server (or a rank of one) that dies fails its own requests while its
+role has another node alive (`Driver.lose`), and is an error naming it otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from disagg.core.metrics import (
     transfers_table,
     write_results,
 )
+from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.slo import Slo
 from disagg.core.workload import generate
@@ -91,12 +94,20 @@ def hw_experiment(exp: Experiment) -> Experiment:
 def node_configs(
     exp: Experiment, driver: str, return_logits: bool = False, secret: bytes | None = None
 ) -> list[NodeConfig]:
-    """The servers of `exp` (one per role), each told the driver's control endpoint (and the
-    control plane's `secret`, when it has one)."""
+    """The servers of `exp` (`cluster.<role>.nodes` per role: prefill0, prefill1, ...,
+    decode0, ...), each told the driver's control endpoint (and the control plane's `secret`,
+    when it has one)."""
     data = exp.model_dump(mode="json")
     bind = exp.hw.bind.rsplit(":", 1)[0] + ":*"  # the driver's host, any port
     roles = ["colocated"] if exp.cluster.mode == "colocated" else ["prefill", "decode"]
-    return [NodeConfig(r, 0, data, driver, bind, return_logits, secret) for r in roles]
+    return [
+        NodeConfig(r, i, data, driver, bind, return_logits, secret)
+        for r in roles
+        for i in range(exp.cluster.groups[r].nodes)
+    ]
+
+
+PEER_ROLES = {"prefill": "decode", "decode": "prefill", "colocated": ""}  # whom a server meets
 
 
 def prompts_for(exp: Experiment, lengths: list[int]) -> list[tuple[int, ...]]:
@@ -146,15 +157,15 @@ def fault_actions(exp: Experiment, external: tuple[str, ...]) -> list[tuple[floa
 
 
 def check_hw_experiment(exp: Experiment) -> None:
-    """ConfigError unless the hw backend can run every node of the experiment: one node per
-    role, of one attention group (dp 1); a node of tp > 1 (its ranks one process each,
-    disagg.hw.ranks) only on the CPU over the tcp wire, for now."""
+    """ConfigError unless the hw backend can run every node of the experiment: any number of
+    nodes per role, each of one attention group (dp 1); a node of tp > 1 (its ranks one
+    process each, disagg.hw.ranks) only on the CPU over the tcp wire, for now."""
     for role, g in exp.cluster.groups.items():
-        if g.dp != 1 or g.nodes != 1:
+        if g.dp != 1:
             raise ConfigError(
-                f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but a hardware run "
-                f"is one node per role, of one attention group: --set cluster.{role}.nodes=1 "
-                f"--set cluster.{role}.dp=1 (and model.layers=N to fit a big model)"
+                f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but a hardware node "
+                f"is one attention group: --set cluster.{role}.dp=1 (and model.layers=N to "
+                "fit a big model)"
             )
         device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
         if g.tp > 1 and (device != "cpu" or exp.hw.wire != "tcp"):
@@ -198,6 +209,20 @@ class Driver:
         self.faults = fault_actions(exp, external)  # still to inject
         self.tp_dirs: list[str] = []  # nodes' rank directories (with_tp_dir)
         self.t0 = math.nan  # the run's clock starts at the Start
+        c = exp.cluster
+        self.entry_role = "colocated" if c.mode == "colocated" else "decode"
+        self.parallel = c.mode == "disagg" and exp.transfer.handoff == "parallel"
+        # the routers, as the simulator's (disagg.sim.cluster.Sim): the decode (or colocated)
+        # node of each request, and its prefill node under parallel handoff (the decode nodes
+        # route the others' prefill themselves: DecodeServer.route)
+        self.routers = {
+            self.entry_role: make_router(c.router, range(c.groups[self.entry_role].nodes))
+        }
+        if self.parallel:
+            self.routers["prefill"] = make_router(c.router, range(c.prefill.nodes))
+        self.load = {cfg.name: 0 for cfg in self.configs}  # requests sent, not finished
+        self.routes: dict[int, tuple[str, ...]] = {}  # each request's nodes, as sent
+        self.lost: dict[str, str] = {}  # dead nodes (their role has others alive): why
 
     # -- starting
     def start(self) -> None:
@@ -217,8 +242,10 @@ class Driver:
         ups: dict[str, NodeUp] = self._gather(NodeUp, self.hw.start_timeout_s, "start")
         for up in ups.values():
             self.control.connect(up.name, up.endpoint)
-        for name in ups:
-            others = tuple(vars(u) for n, u in ups.items() if n != name)
+        role_of = {c.name: c.role for c in self.configs}
+        for name in ups:  # every prefill node meets every decode node, and vice versa
+            meets = PEER_ROLES[role_of[name]]
+            others = tuple(vars(u) for n, u in ups.items() if role_of[n] == meets)
             self.control.send(name, Peers(others))
         self._gather(Started, 120.0, "connect")
 
@@ -242,7 +269,7 @@ class Driver:
             if msg is not None and isinstance(msg[1], kind):
                 got[msg[0]] = msg[1]
             elif msg is not None and isinstance(msg[1], Records) and msg[1].error:
-                raise self.blame(msg[0], msg[1].error)
+                raise self.blame(msg[0], msg[1].error)  # (not started: nothing is lost yet)
             self.check_children()
             if time.monotonic() > deadline:
                 missing = sorted(names - set(got))
@@ -254,6 +281,8 @@ class Driver:
         `silent_after_s` is stuck: a spawned one is asked to write its threads' stacks to
         stderr (faulthandler, on SIGUSR1), and the run fails naming it."""
         for name in self.control.dead_peers():
+            if name in self.lost:
+                continue  # gone: its silence is no news
             self.stuck.add(name)
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive() and hasattr(signal, "SIGUSR1"):
@@ -269,13 +298,17 @@ class Driver:
         """TransportError naming a child that died, the cause first: a follower rank that
         died by itself before its leader (which fails on its next collective, because of
         it), and any process before a follower that only lost its group."""
-        dead = [(n, p) for n, p in self.procs.items() if not p.is_alive()]
+        dead = [
+            (n, p)
+            for n, p in self.procs.items()
+            if not p.is_alive() and n.split(".")[0] not in self.lost
+        ]
         dead.sort(key=lambda d: (d[1].exitcode == LOST_GROUP, "." not in d[0]))
         for name, proc in dead[:1]:
             self._last_words(name)
             records = self.run_state.records.get(name)
             why = f": {records.error}" if records and records.error else ""
-            raise TransportError(f"server {name} died (exit code {proc.exitcode}){why}")
+            self.lose(name.split(".")[0], f"server {name} died (exit code {proc.exitcode}){why}")
 
     def blame(self, node: str, error: str, wait_s: float = 1.0) -> TransportError:
         """The error that stops the run when `node` failed with `error`: the death of one of
@@ -289,6 +322,7 @@ class Driver:
                     return TransportError(
                         f"server {name} died (exit code {proc.exitcode}), so {node} failed: {error}"
                     )
+            self.control.heartbeat()
             time.sleep(0.05)
         return TransportError(error)
 
@@ -298,11 +332,6 @@ class Driver:
         if not arrivals:
             raise ConfigError("the workload produced no requests")
         prompts = prompts_for(self.exp, [a.prompt_tokens for a in arrivals])
-        # the decode (or colocated) server takes requests; under parallel handoff the prefill
-        # server gets them at the same time (first: it starts computing at once)
-        entry = [self.configs[-1].name]
-        if self.exp.cluster.mode == "disagg" and self.exp.transfer.handoff == "parallel":
-            entry.insert(0, self.configs[0].name)
         self.t0 = t0 = time.time()
         for cfg in self.configs:
             self.control.send(cfg.name, Start(t0))
@@ -322,8 +351,7 @@ class Driver:
             now = time.time() - t0
             while pending and pending[0][0].arrival_s <= now:
                 a, prompt = pending.pop(0)
-                state.sent.append((a.request_id, "driver", "sent", time.time() - t0))  # before
-                self.control.send(entry, Submit(a.request_id, a.arrival_s, prompt, a.output_tokens))
+                self.submit(a.request_id, a.arrival_s, prompt, a.output_tokens)
             # wake for the next arrival on time (recv sleeps below a millisecond)
             self._receive(min(0.001, max(0.0, pending[0][0].arrival_s - now)) if pending else 0.05)
             self.control.heartbeat()  # servers stop when the driver falls silent
@@ -338,6 +366,41 @@ class Driver:
                     f"{self.hw.drain_timeout_s:g} s after the last arrival (ids {left[:10]})"
                 )
         return state
+
+    def pick(self, role: str) -> int | None:
+        """The node of `role` its router picks, given each node's outstanding requests,
+        passing over dead nodes; None if all are dead."""
+        nodes = self.exp.cluster.groups[role].nodes
+        loads = {
+            i: math.inf if f"{role}{i}" in self.lost else self.load[f"{role}{i}"]
+            for i in range(nodes)
+        }
+        for _ in range(nodes):
+            i = self.routers[role].pick(loads)
+            if f"{role}{i}" not in self.lost:
+                return i
+        return None
+
+    def submit(self, req_id: int, arrival_s: float, prompt: tuple[int, ...], out: int) -> None:
+        """Send a request to the decode (or colocated) node the router picks; under parallel
+        handoff to the prefill node it picks too, first (it starts computing at once), both
+        told the other's index (the decoder's handoff goes to that prefill node)."""
+        state, req = self.run_state, self.run_state.requests[req_id]
+        node = self.pick(self.entry_role)
+        prefill = self.pick("prefill") if self.parallel else -1
+        if node is None or prefill is None:  # (the run stops when a role has none left)
+            role = self.entry_role if node is None else "prefill"
+            self.finish("driver", Finished(req_id, "failed", f"no {role} node is alive", (), {}))
+            return
+        targets: tuple[str, ...] = (f"prefill{prefill}",) if prefill >= 0 else ()
+        targets += (f"{self.entry_role}{node}",)
+        req.decode_node = node  # and its prefill node, until its decoder says
+        req.prefill_node = node if self.entry_role == "colocated" else max(prefill, 0)
+        self.routes[req_id] = targets
+        for name in targets:
+            self.load[name] += 1
+        state.sent.append((req_id, "driver", "sent", time.time() - self.t0))  # before
+        self.control.send(list(targets), Submit(req_id, arrival_s, prompt, out, prefill, node))
 
     def inject(self, now: float) -> None:
         """Inject the faults due by `now` (the run's clock)."""
@@ -358,8 +421,8 @@ class Driver:
                 self.finish(sender, body)
             elif isinstance(body, Records):
                 self.run_state.records[body.name] = body
-                if body.error:
-                    raise self.blame(sender, body.error)
+                if body.error and sender not in self.lost:
+                    self.lose(sender, str(self.blame(sender, body.error)))
             msg = self.control.recv(0.0)
         self.check_children()
 
@@ -378,15 +441,43 @@ class Driver:
             return
         state.finished[fin.req_id] = fin
         state.ended_s[fin.req_id] = time.time() - self.t0
+        for name in self.routes.pop(fin.req_id, ()):
+            self.load[name] -= 1
+
+    def lose(self, node: str, why: str) -> None:
+        """`node` died (or failed) with `why`: TransportError if the run has not started or
+        its role has no other node alive; else the run goes on without it, as the
+        simulator's does: its processes are stopped, the requests it decodes fail with the
+        reason (`decode1 died (kill decode1 at 1 s)`), the router passes over it, and its peers
+        learn of it by its silence (hw.dead_after_s) and retry elsewhere or fail theirs."""
+        role = next(c.role for c in self.configs if c.name == node)
+        alive = [c.name for c in self.configs if c.role == role and c.name not in self.lost]
+        if math.isnan(self.t0) or alive == [node] or node in self.external:
+            raise TransportError(why)
+        kills = [f for f in self.exp.faults if isinstance(f, Kill) and f.node == node]
+        fault = next((f for f in kills if f.at_s <= time.time() - self.t0), None)
+        self.lost[node] = reason = f"{node} died ({fault.label() if fault else why})"
+        print(f"driver: {reason}; the run goes on without it", file=sys.stderr)
+        for name, proc in self.procs.items():  # its other ranks
+            if (name == node or name.startswith(f"{node}.")) and proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        if role == self.entry_role:
+            mine = [i for i, t in self.routes.items() if t[-1] == node]
+            for req_id in mine:
+                self.finish(node, Finished(req_id, "failed", reason, (), {}))
 
     def _last_words(self, name: str, wait_s: float = 1.0) -> None:
         """A server that exits right after saying why (it cannot start) may be seen dead before
         its message is read: wait a moment for its records (the run is failing anyway)."""
         deadline = time.monotonic() + wait_s
         while name not in self.run_state.records and time.monotonic() < deadline:
+            self.control.heartbeat()  # the run may go on (lose): the servers must hear it
             msg = self.control.recv(0.1)
             if msg is not None and isinstance(msg[1], Records):
                 self.run_state.records[msg[1].name] = msg[1]
+            elif msg is not None and isinstance(msg[1], Finished):  # the run may go on (lose)
+                self.finish(*msg)
 
     # -- stopping
     def stop(self) -> None:
@@ -396,7 +487,7 @@ class Driver:
             if name not in dead and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGCONT)
         awaited = {c.name for c in self.configs if c.name in self.control.dealers}
-        awaited -= self.stuck | dead
+        awaited -= self.stuck | dead | set(self.lost)
         for name in sorted(awaited):
             self.control.send(name, Shutdown())
         deadline = time.monotonic() + 20.0
@@ -502,6 +593,9 @@ def tables(state: HwRun, stopped: str = "") -> tuple[Any, Any, Any]:
     reason."""
     rec = Recorder()
     prefill_times: dict[int, tuple[float, float]] = {}
+    for req_id, fin in state.finished.items():
+        if fin.attempts > 0:  # handed off: to the prefill node its decoder says (a retry's)
+            state.requests[req_id].prefill_node = fin.prefill_node
     for records in state.records.values():
         rec.steps.extend(tuple(s) for s in records.steps)
         for req_id, nbytes, ops, first_s, p_start, p_end in records.transfers:

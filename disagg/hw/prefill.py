@@ -77,7 +77,7 @@ class PrefillServer(Server):
             self.mark(msg.req_id, "received")
             if msg.req_id in self.role.requests:
                 raise ProtocolError(f"request id {msg.req_id} is already in use here")
-            self.role.submit(msg.req_id, len(msg.prompt), 0, msg.prompt)
+            self.role.submit(msg.req_id, len(msg.prompt), max(msg.decode_node, 0), msg.prompt)
             return
         if isinstance(msg, m.PrefillRequest):
             if msg.prompt:

@@ -74,6 +74,9 @@ class Submit:
     arrival_s: float
     prompt: tuple[int, ...]
     output_tokens: int
+    # the router's choices, under parallel handoff (-1: the decode node routes the prefill)
+    prefill_node: int = -1
+    decode_node: int = -1
 
     def request(self) -> Request:
         """The request this message submits, as the serving node tracks it."""
