@@ -92,14 +92,16 @@ def draw_transfers(
     returns each request's transfer slice. A transfer that never landed is drawn at its start,
     with `landed` false."""
     out: dict[int, Slice] = {}
-    df = transfers[transfers.start_s.notna()].sort_values("start_s", kind="stable")
+    posted = np.isfinite(transfers.start_s.to_numpy(float))  # a transfer never posted: none
+    df = transfers[posted].sort_values("start_s", kind="stable")
     label_of = {int(d): link_label(exp, summary, int(d)) for d in df.decode_node.unique()}
     for p in sorted(df.prefill_node.unique()):
         rows = df[df.prefill_node == p]
         pid = tracks.pid(f"prefill{p} transfers")
         labels = [label_of[int(d)] for d in rows.decode_node]
         starts = rows.start_s.to_numpy(float)
-        ends = rows.end_s.fillna(rows.start_s).to_numpy(float)
+        ends = rows.end_s.to_numpy(float)
+        ends = np.where(np.isfinite(ends), ends, starts)
         tids = [0] * len(rows)
         for label in dict.fromkeys(labels):
             idx = [i for i, x in enumerate(labels) if x == label]
@@ -112,7 +114,7 @@ def draw_transfers(
             f"req {r} to decode{d}" for r, d in zip(rows.request_id, rows.decode_node, strict=True)
         ]
         args = {c: rows[c] for c in ("request_id", "decode_node", "bytes", "ops")}
-        args |= {"landed": rows.end_s.notna().to_numpy(), "gbps": gbps}
+        args |= {"landed": np.isfinite(rows.end_s.to_numpy(float)), "gbps": gbps}
         slices = tracks.slices(pid, tids, names, starts, ends, args)
         out |= dict(zip(rows.request_id.tolist(), slices, strict=True))
     return out

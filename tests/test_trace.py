@@ -252,3 +252,20 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
     res = runner.invoke(app, ["trace", str(run), "--out", str(tmp_path)])
     assert res.exit_code == 2 and "is a directory" in res.output
     assert write_trace(run) == run / "trace.json"
+
+
+def test_transfers_never_posted_or_never_landed_still_give_strict_json(tmp_path: Path) -> None:
+    """A hw transfer given up before its first post has no start (inf or NaN); one given up in
+    flight has no end. The first is left out, the second drawn at its start, not landed."""
+    import math
+
+    run = hand_run(tmp_path)
+    odd = [(0, 0, 0, 0.0, 0.0, math.inf, math.nan), (1, 0, 0, 2e6, 20.0, 1.2, math.nan)]
+    pd.DataFrame(odd, columns=TRANSFER_COLUMNS).to_parquet(run / "transfers.parquet")
+    path = write_trace(run)
+    trace = json.loads(path.read_text())  # strict: no NaN or Infinity in the file
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+    (pid,) = [p for (p, _), n in names(trace, "process_name").items() if "transfers" in n]
+    (drawn,) = slices(trace, pid)
+    assert drawn["name"] == "req 1 to decode0" and drawn["ts"] == 1.2e6 and drawn["dur"] == 0
+    assert drawn["args"]["landed"] is False

@@ -600,7 +600,7 @@ def tables(state: HwRun, stopped: str = "") -> tuple[Any, Any, Any]:
         rec.steps.extend(tuple(s) for s in records.steps)
         for req_id, nbytes, ops, first_s, p_start, p_end in records.transfers:
             req = state.requests[req_id]
-            rec.transfer(req, nbytes, ops, first_s)
+            rec.transfer(req, nbytes, ops, first_s if math.isfinite(first_s) else math.nan)
             prefill_times[req_id] = (p_start, p_end)
     for req_id, fin in state.finished.items():
         req = state.requests[req_id]
