@@ -257,7 +257,8 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ([str(EXPERIMENTS / "r1-disagg-1p3d.toml")], "r1-disagg-1p3d.toml: not runnable on the hw"),
+        ([str(EXPERIMENTS / "r1-disagg-dp8.toml")], "r1-disagg-dp8.toml: not runnable on the hw"),
+        ([str(EXPERIMENTS / "r1-disagg-1p3d.toml")], "deepseek-r1 weights (61 layers) needs"),
         ([str(TINY), "--tolerance", "ttft_p50=x"], "--tolerance ttft_p50='x'"),
         ([str(TINY), "--tolerance", "goodput=3"], "--tolerance 'goodput': unknown metric"),
         ([str(TINY), "--rates", "2,fast"], "--rates '2,fast': give comma-separated"),
