@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_hf_config import MIXTRAL_8X7B_CONFIG  # the model's config.json
 from typer.testing import CliRunner
 
 from disagg.catalogue import catalogue, count
@@ -16,18 +17,6 @@ from disagg.models import MODELS
 from disagg.sim.cluster import Sim
 
 runner = CliRunner()
-MIXTRAL_8X7B = {  # its config.json, less the fields the mapping ignores
-    "model_type": "mixtral",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 32768,
-    "num_attention_heads": 32,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "num_local_experts": 8,
-    "vocab_size": 32000,
-}
 
 
 def test_json_lists_every_model_gpu_and_nic_with_derived_figures() -> None:
@@ -80,7 +69,7 @@ def test_tables_show_the_figures_for_people() -> None:
 def test_a_config_json_joins_the_listing(tmp_path: Path) -> None:
     path = tmp_path / "Mixtral-8x7B" / "config.json"
     path.parent.mkdir()
-    path.write_text(json.dumps(MIXTRAL_8X7B))
+    path.write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
     res = runner.invoke(app, ["catalogue", "--json", "--config", str(path)])
     assert res.exit_code == 0, res.output
     mixtral = json.loads(res.output)["models"][-1]
@@ -115,7 +104,7 @@ def test_every_toml_block_of_docs_models_md_loads(tmp_path: Path) -> None:
     catalogue names, a custom MI300X and NIC."""
     config = tmp_path / "models" / "Mixtral-8x7B" / "config.json"
     config.parent.mkdir(parents=True)
-    config.write_text(json.dumps(MIXTRAL_8X7B))
+    config.write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
     exps = []
     for i, block in enumerate(toml_blocks(DOC)):
         (tmp_path / f"{i}.toml").write_text(block)

@@ -209,8 +209,13 @@ class ColocatedScheduler:
     def schedule(self) -> Batch:
         self._admit()
         decodes = self.decode.schedule().decodes
-        budget = self.prefill.token_budget - len(decodes) * self.decode_qo
-        return Batch(chunks=self.prefill.schedule(budget).chunks, decodes=decodes)
+        return Batch(
+            chunks=self.prefill.schedule(self.chunk_budget(decodes)).chunks, decodes=decodes
+        )
+
+    def chunk_budget(self, decodes: list[Request]) -> int:
+        """Prompt tokens a pass carrying `decodes` may add: what the token budget leaves."""
+        return self.prefill.token_budget - len(decodes) * self.decode_qo
 
     def complete(self, batch: Batch, steps: int = 1) -> Progress:
         """Advance a batch; a last chunk emits the request's first token (colocated samples)."""
@@ -266,10 +271,6 @@ class DecodePriorityScheduler(ColocatedScheduler):
         _check_positive("decode_priority chunk_with_decodes", chunk_with_decodes)
         self.chunk_with_decodes = chunk_with_decodes
 
-    def schedule(self) -> Batch:
-        self._admit()
-        decodes = self.decode.schedule().decodes
-        budget = self.prefill.token_budget - len(decodes) * self.decode_qo
-        if decodes:
-            budget = min(budget, self.chunk_with_decodes)
-        return Batch(chunks=self.prefill.schedule(budget).chunks, decodes=decodes)
+    def chunk_budget(self, decodes: list[Request]) -> int:
+        budget = super().chunk_budget(decodes)
+        return min(budget, self.chunk_with_decodes) if decodes else budget
