@@ -13,6 +13,10 @@
 # between gpu_ttft.py's requests (default 3); TTFT_PROMPTS=2048,8192 picks its prompt lengths;
 # TTFT_ENVS='A=1;B=0 C=1' runs gpu_ttft.py once more per ';'-separated set of environment
 # settings (e.g. TTFT_ENVS='DISAGG_SPIN=1'), each into its own table gpu_ttft_N.md.
+# MOE=1 adds the MoE runs (PREBUILD=llama-3.1-8b,qwen3-30b-a3b builds their kernels):
+# moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
+# twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min.
+# VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -49,8 +53,26 @@ cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
+if [ -n "${MOE:-}" ]; then
+  M=experiments/qwen3moe-h200; SIM=(--set hardware.nic=NVLink-H200)
+  timeout 240 python3 benchmarks/moe_bench.py --device "cuda:$D" --out "$OUT" 2>&1 | tail -14 | tee -a "$LOG"
+  timeout 200 python3 -m disagg.cli hw profile --model qwen3-30b-a3b --layers 12 \
+    --device "cuda:$D" --out "$RUNS/moe/profile.csv" 2>&1 | tail -3 | tee -a "$LOG"
+  for MODE in 1p3d colocated; do
+    timeout 300 python3 -m disagg.cli hw run "$M-$MODE.toml" --wire cuda --prefill-device "cuda:$P" \
+      --decode-device "cuda:$D" --out "$RUNS/moe/hw-$MODE" 2>&1 | tail -30 | tee -a "$LOG"
+    timeout 60 python3 -m disagg.cli sim run "$RUNS/moe/hw-$MODE" "${SIM[@]}" \
+      --out "$RUNS/moe/sim-$MODE" 2>&1 | tail -3 | tee -a "$LOG"
+    timeout 60 python3 -m disagg.cli sim run "$RUNS/moe/hw-$MODE" "${SIM[@]}" \
+      --set "cost.source=profile:$RUNS/moe/profile.csv" --out "$RUNS/moe/simprof-$MODE" 2>&1 \
+      | tail -3 | tee -a "$LOG"
+  done
+fi
+[ -z "${VALIDATE:-}" ] || timeout 560 python3 -m disagg.cli validate experiments/llama8b-h200.toml \
+  --device "cuda:$D" --out "$RUNS/validate" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
+cp "$RUNS"/validate/fidelity.csv "$RUNS"/validate/fidelity.md "$OUT"/ 2>/dev/null
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
-  tests/test_hw_transport_cuda.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"
+  tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"
 tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true

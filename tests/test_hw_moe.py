@@ -1,5 +1,6 @@
 """MoE layers of the real backend: routing against hand-computed cases, the torch experts
-against a per-token loop, and an MoE model's chunking and batching invariants."""
+(per-expert and grouped) against a per-token loop, and an MoE model's chunking and batching
+invariants; on a GPU, the grouped experts in bf16 and an MoE decode step in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ import torch
 
 from disagg.hw.batch import Seq
 from disagg.hw.model import Transformer
-from disagg.hw.moe import Routing, experts_reference, route, routing_for, swiglu
-from disagg.hw.specs import tiny_mla_moe, tiny_moe
+from disagg.hw.moe import (
+    Routing,
+    experts_grouped,
+    experts_reference,
+    grouped_runs,
+    route,
+    routing_for,
+    swiglu,
+)
+from disagg.hw.specs import small_moe, tiny_mla_moe, tiny_moe
 from disagg.models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, QWEN3_CODER_480B
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -90,6 +99,62 @@ def test_experts_that_receive_no_token_are_skipped() -> None:
     torch.testing.assert_close(
         experts_reference(x, weights, ids, w13, w2), experts_by_loop(x, weights, ids, w13, w2)
     )
+
+
+needs_grouped = pytest.mark.skipif(
+    not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM (torch._grouped_mm)"
+)
+
+
+@needs_grouped
+def test_the_grouped_experts_equal_the_per_token_definition_idle_experts_included() -> None:
+    x, weights, ids, w13, w2 = random_experts(t=13, e=6, k=3, h=16, i=8)
+    torch.testing.assert_close(
+        experts_grouped(x, weights, ids, w13, w2), experts_by_loop(x, weights, ids, w13, w2)
+    )
+    ids = torch.tensor([[5, 1, 3]] * 13, dtype=torch.int64)  # experts 0, 2, 4 idle
+    torch.testing.assert_close(
+        experts_grouped(x, weights, ids, w13, w2), experts_by_loop(x, weights, ids, w13, w2)
+    )
+
+
+def test_the_grouped_experts_serve_only_a_rank_holding_every_expert(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    x = torch.zeros(2, 4)
+    assert grouped_runs(x, 8, 8) == hasattr(torch, "_grouped_mm")
+    assert not grouped_runs(x, 4, 8)  # expert parallelism: the per-expert path
+    monkeypatch.setenv("DISAGG_MOE", "reference")
+    assert not grouped_runs(x, 8, 8)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@needs_grouped
+def test_gpu_grouped_experts_in_bf16_match_the_float32_reference() -> None:
+    args = [a.cuda() for a in random_experts(t=300, e=16, k=4, h=256, i=128, seed=5)]
+    x, weights, ids, w13, w2 = args
+    want = experts_reference(x, weights, ids, w13, w2)
+    got = experts_grouped(x.bfloat16(), weights, ids, w13.bfloat16(), w2.bfloat16())
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@cuda
+def test_gpu_an_moe_decode_step_replays_a_cuda_graph_with_eager_tokens() -> None:
+    from disagg.hw.runner import Runner
+
+    pytest.importorskip("flashinfer", reason="CUDA graphs replay FlashInfer decode steps")
+    spec = small_moe()
+    m = Transformer(spec, seed=4, device="cuda")
+    graphs = Runner(m, m.new_cache(64, 16), graph_batches=(4,))
+    eager = Runner(m, m.new_cache(64, 16), graph_batches=())
+    seqs = [Seq.of(PROMPT[: 5 + i], 0, [i]) for i in range(3)]
+    for r in (graphs, eager):
+        r.step(seqs)
+    step = [Seq.of([PROMPT[i]], 5 + i, [i]) for i in range(3)]
+    got, want = graphs.step(step, sample=True), eager.step(step, sample=True)
+    assert graphs.captured == [4] and not graphs.graph_error
+    assert got.tokens == want.tokens
 
 
 @pytest.mark.parametrize("spec", [tiny_moe(), tiny_mla_moe()], ids=["gqa-moe", "mla-moe"])

@@ -11,9 +11,13 @@ Either way the weights are then multiplied by `scale`.
 
 Experts are SwiGLU MLPs of width `moe_intermediate` (`w13`: gate rows then up rows, [E, 2I, H];
 `w2`: [E, H, I]); `shared_experts` always-active experts run as one dense SwiGLU of width
-shared * moe_intermediate. The routed experts are computed in torch on any device
-(`experts_reference`): tokens sorted by expert, one GEMM pair per expert that received tokens,
-outputs combined per token in a fixed order.
+shared * moe_intermediate. The routed experts are computed in torch, tokens sorted by expert:
+- `experts_grouped`: two grouped GEMMs over all experts at once (`torch._grouped_mm`, bf16 on
+  Hopper, any dtype on the CPU); no host sync, so a decode step with it is captured in a CUDA
+  graph. Used where it runs and the rank holds every expert;
+- `experts_reference`: one GEMM pair per expert that received tokens (the expert counts go to
+  the host); the fallback, and the reference the grouped path is tested against.
+`DISAGG_MOE=reference` forces the fallback.
 
 Under tensor parallelism (`MoE.cuts`) a rank keeps its share of every expert's width (and of
 the shared experts'), or with expert parallelism its share of whole experts (the shared ones
@@ -27,6 +31,7 @@ lent H200 machine (docs/gpu-runs.md).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -128,6 +133,32 @@ def experts_reference(
     return combined.to(x.dtype)
 
 
+def experts_grouped(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """`experts_reference` of a rank that holds every expert, as two grouped GEMMs."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
+    rows = x[order // k]
+    gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+    per_slot = torch.empty_like(out)
+    per_slot[order] = out
+    combined = (per_slot.view(t, k, -1).float() * weights[..., None]).sum(1)
+    return combined.to(x.dtype)
+
+
+def grouped_runs(x: torch.Tensor, held: int, experts: int) -> bool:
+    """Whether `experts_grouped` serves a rank holding `held` of `experts` experts for `x`."""
+    if os.environ.get("DISAGG_MOE") == "reference" or held != experts:
+        return False
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+
+
 class MoE:
     """One MoE layer's weights and its forward: x [T, H] -> [T, H] (without the residual)."""
 
@@ -192,7 +223,10 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output; under tp, this rank's partial sum (to be all-reduced)."""
         weights, ids = route(F.linear(x, self.router), self.routing, self.bias)
-        out = experts_reference(x, weights, ids, self.w13, self.w2, self.first)
+        if grouped_runs(x, self.w13.shape[0], self.router.shape[0]):
+            out = experts_grouped(x, weights, ids, self.w13, self.w2)
+        else:
+            out = experts_reference(x, weights, ids, self.w13, self.w2, self.first)
         if self.shared is not None:
             out = out + swiglu(x, *self.shared)
         return out

@@ -72,3 +72,10 @@ def small_mla(layers: int = 2) -> ModelSpec:
         intermediate=512,
         q_lora_rank=128,
     )
+
+
+def small_moe(layers: int = 2) -> ModelSpec:
+    """`small_gqa` with Qwen3-30B-A3B's routing at small widths: 16 experts, 4 per token."""
+    return replace(
+        small_gqa(layers), name="small-moe", experts=16, experts_per_token=4, moe_intermediate=128
+    )
