@@ -56,10 +56,10 @@ cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
 if [ -n "${MOE:-}" ]; then
   M=experiments/qwen3moe-h200; SIM=(--set hardware.nic=NVLink-H200)
   timeout 240 python3 benchmarks/moe_bench.py --device "cuda:$D" --out "$OUT" 2>&1 | tail -14 | tee -a "$LOG"
-  timeout 200 python3 -m disagg.cli hw profile --model qwen3-30b-a3b --layers 12 \
+  timeout 150 python3 -m disagg.cli hw profile --model qwen3-30b-a3b --layers 12 \
     --device "cuda:$D" --out "$RUNS/moe/profile.csv" 2>&1 | tail -3 | tee -a "$LOG"
   for MODE in 1p3d colocated; do
-    timeout 300 python3 -m disagg.cli hw run "$M-$MODE.toml" --wire cuda --prefill-device "cuda:$P" \
+    timeout 200 python3 -m disagg.cli hw run "$M-$MODE.toml" --wire cuda --prefill-device "cuda:$P" \
       --decode-device "cuda:$D" --out "$RUNS/moe/hw-$MODE" 2>&1 | tail -30 | tee -a "$LOG"
     timeout 60 python3 -m disagg.cli sim run "$RUNS/moe/hw-$MODE" "${SIM[@]}" \
       --out "$RUNS/moe/sim-$MODE" 2>&1 | tail -3 | tee -a "$LOG"
@@ -67,10 +67,11 @@ if [ -n "${MOE:-}" ]; then
       --set "cost.source=profile:$RUNS/moe/profile.csv" --out "$RUNS/moe/simprof-$MODE" 2>&1 \
       | tail -3 | tee -a "$LOG"
   done
+  tar -czf "$OUT/moe.tgz" -C "$RUNS" moe
 fi
 [ -z "${VALIDATE:-}" ] || timeout 560 python3 -m disagg.cli validate experiments/llama8b-h200.toml \
   --device "cuda:$D" --out "$RUNS/validate" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
-cp "$RUNS"/validate/fidelity.csv "$RUNS"/validate/fidelity.md "$OUT"/ 2>/dev/null
+[ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$RUNS" validate
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"
