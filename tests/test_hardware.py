@@ -132,3 +132,19 @@ def test_from_table_builds_what_the_dataclass_would() -> None:
     table = {"name": "n", "bandwidth_gbps": 200, "latency_s": 1e-6, "op_cost_s": 0}
     assert from_table(NIC, table) == NIC("n", 200, 1e-6, 0)
     assert from_table(NIC, table).bandwidth_bps == 25e9
+
+
+def test_under_dp_attention_each_group_holds_the_attention_weights() -> None:
+    """R1 on a node of 8 GPUs as one DP8 group of TP1 ranks: each GPU holds all of the
+    attention weights and 1/8 of the rest; the pool is 8 groups of what is left."""
+    exp = load_experiment(EXPERIMENTS / "r1-disagg-dp8.toml")
+    spec, group = exp.model.spec, exp.cluster.decode
+    assert (group.tp, group.dp) == (1, 8)
+    wb = 1  # fp8 weights
+    attention = spec.layers * spec.attn_params_per_layer * wb
+    weights = attention + (spec.params * wb - attention) / 8
+    free = exp.hardware.gpu_spec.hbm_bytes * exp.kv.memory_fraction - weights
+    free -= exp.kv.activation_reserve_gb * 1e9
+    page_bytes = exp.kv.page_size * spec.kv_bytes_per_token("bf16")  # the latent, whole
+    assert exp.model.weight_dtype == "fp8" and exp.kv.pages is None
+    assert pool_pages(exp, group, "decode") == int(free // page_bytes) * 8

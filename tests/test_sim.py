@@ -243,3 +243,19 @@ def test_a_kv_pool_that_does_not_fit_names_the_kv_fields_and_what_would_fit() ->
                 ],
             )
         )
+
+
+def test_a_trace_request_beyond_the_models_context_is_refused_not_simulated(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-01-01 00:00:01,100,10\n2024-01-01 00:00:02,32760,10\n"
+    )
+    exp = load_experiment(EXPERIMENTS / "tiny-disagg.toml", [f"workload.trace={trace}"])
+    assert exp.model.spec.max_context == 32768
+    with pytest.raises(
+        ConfigError, match=r"request 1 .*32,770 tokens exceed tiny-gqa.s context of 32,768"
+    ):
+        Sim(exp)

@@ -20,7 +20,7 @@ from typing import Literal, Self, TextIO
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from disagg.errors import TraceError
+from disagg.errors import ConfigError, TraceError
 
 TraceFormat = Literal["azure", "mooncake"]
 TRACE_FORMAT_BY_SUFFIX: dict[str, TraceFormat] = {".csv": "azure", ".jsonl": "mooncake"}
@@ -140,14 +140,45 @@ class Arrival:
     output_tokens: int
 
 
-def generate(cfg: WorkloadConfig, seed: int, base_dir: Path | None = None) -> list[Arrival]:
+def generate(
+    cfg: WorkloadConfig,
+    seed: int,
+    base_dir: Path | None = None,
+    max_context: int | None = None,
+    model: str = "the model",
+) -> list[Arrival]:
     """The workload's requests, sorted by arrival time and numbered 0..n-1.
 
     Synthetic workloads are drawn from `np.random.default_rng(seed)`, split into independent
     streams for arrival times, prompt and output lengths (so changing the rate keeps the lengths).
     The first arrival is at the first inter-arrival time, not at 0. A trace is read from
     `cfg.trace`, relative to `base_dir` when given and the path is relative; `seed` is unused.
+    With `max_context` (the context of `model`, in tokens), a request whose prompt + output
+    exceed it raises ConfigError (see `refuse_too_long`).
     """
+    arrivals = _generate(cfg, seed, base_dir)
+    if max_context is not None:
+        source = "workload" if cfg.trace is None else f"workload.trace={cfg.trace!r}"
+        refuse_too_long(arrivals, max_context, model, source)
+    return arrivals
+
+
+def refuse_too_long(arrivals: Sequence[Arrival], max_context: int, model: str, source: str) -> None:
+    """Raise ConfigError naming the first of `arrivals` (from `source`) whose prompt + output
+    exceed `model`'s context of `max_context` tokens, its lengths and how many are too long."""
+    over = [a for a in arrivals if a.prompt_tokens + a.output_tokens > max_context]
+    if not over:
+        return
+    a = over[0]
+    raise ConfigError(
+        f"{source}: request {a.request_id} ({len(over)} of {len(arrivals)} too long): "
+        f"{a.prompt_tokens:,} prompt + {a.output_tokens:,} output = "
+        f"{a.prompt_tokens + a.output_tokens:,} tokens exceed {model}'s context of "
+        f"{max_context:,} tokens"
+    )
+
+
+def _generate(cfg: WorkloadConfig, seed: int, base_dir: Path | None) -> list[Arrival]:
     if cfg.trace is not None:
         return _from_trace(cfg, Path(cfg.trace), base_dir)
     times_rng, prompt_rng, output_rng = np.random.default_rng(seed).spawn(3)

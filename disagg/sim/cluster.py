@@ -41,6 +41,7 @@ from disagg.faults import (
     Stop,
     attribute,
 )
+from disagg.models import dtype_bytes
 from disagg.sim.clock import Clock
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
@@ -51,10 +52,14 @@ Proc = Generator[Any, Any, None]  # run by Clock.start: yields delays (s) and ev
 
 def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     """KV pages of one node of `group`: `kv.pages` if set, else what the HBM left after
-    weights and a reserve holds."""
+    weights and a reserve holds. Under DP attention each attention group holds the attention
+    weights (split over its tp ranks), the rest are split over every GPU of the node."""
     spec, hw, kv = exp.model.spec, exp.hardware, exp.kv
     gpu_bytes = hw.gpu_spec.hbm_bytes * kv.memory_fraction
     weights = spec.weight_bytes(exp.model.weight_dtype) / group.gpus_per_node
+    if group.dp > 1:
+        attention = spec.layers * spec.attn_params_per_layer * dtype_bytes(exp.model.weight_dtype)
+        weights += attention / group.tp - attention / group.gpus_per_node
     free = gpu_bytes - weights - kv.activation_reserve_gb * 1e9
     kv_shards = 1 if spec.attention == "mla" else min(group.tp, spec.kv_heads)
     page_bytes = kv.page_size * spec.kv_bytes_per_token(exp.model.kv_dtype) / kv_shards
@@ -366,7 +371,10 @@ class Sim:
         self.rng = random.Random(exp.seed)
         self.rec = Recorder()
         self.network = Network(self.env)
-        self.arrivals = generate(exp.workload, exp.seed, base_dir=Path(exp.base_dir))
+        spec = exp.model.spec
+        self.arrivals = generate(
+            exp.workload, exp.seed, Path(exp.base_dir), spec.max_context, spec.name
+        )
         if not self.arrivals:
             raise ConfigError("the workload produced no requests (duration too short?)")
         self.requests: dict[int, Request] = {}

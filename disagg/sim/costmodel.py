@@ -1,16 +1,28 @@
 """Step time of one forward pass from the batch shape: a roofline with named efficiencies.
 
-Per GPU of a node that runs `dp` attention groups of `tp` ranks (experts spread over all of the
-node's GPUs), a step costs, summed over its parts:
-- dense GEMMs (attention projections, dense MLPs, shared experts, LM head):
-  max(FLOPs / (peak * gemm_efficiency), weight bytes / (HBM * memory_efficiency));
-- MoE experts: FLOPs of the routed tokens vs. bytes of the distinct experts they touch
-  (expected distinct experts E * (1 - (1 - k/E)^T) per layer for T tokens);
+A node runs `dp` attention groups of `tp` ranks; a step costs, per GPU of its busiest group,
+summed over its parts:
+- dense GEMMs: max(FLOPs / (peak * gemm_efficiency), weight bytes / (HBM * memory_efficiency)).
+  Every group holds the attention projections, split over its tp ranks, and runs them for its
+  own tokens; the other dense weights (dense MLPs, shared experts, routers, LM head) are split
+  over all of the node's GPUs and see all of the step's tokens;
+- MoE experts (spread over all GPUs): FLOPs of the routed tokens vs. bytes of the distinct
+  experts they touch (expected distinct experts E * (1 - (1 - k/E)^T) per layer for T tokens);
 - attention: FLOPs by qo_len x kv_len vs. the KV bytes read (MLA's latent is replicated
   under TP, so each rank reads all of it);
-- communication: two TP all-reduces per layer over NVLink (ring), or with DP attention the
-  MoE dispatch/combine all-to-all;
-- fixed overhead per step and per layer (launches, scheduling, sampling).
+- elementwise work (norms, RoPE, residual adds, the MLP activation): HBM traffic in proportion
+  to tokens, `elementwise_hidden_passes` reads or writes of each token's hidden state per layer
+  on every rank of its group, plus the activation (gate and up read, product written);
+- communication: two all-reduces per layer over the group's tp ranks, or with DP attention the
+  MoE dispatch/combine all-to-all, each a latency per collective and per peer step plus its
+  bytes over NVLink (CostConfig says how the defaults match NCCL);
+- fixed overhead per step and per layer (scheduling, sampling, launch gaps);
+- with speculative decoding, `draft_tokens` passes of the draft module over the decodes. It is
+  assumed to cost one transformer layer of the model (an MoE layer when it has them) plus the
+  LM head per draft token, as DeepSeek's MTP module does (its small input projection and norms
+  left out); its attention reads the sequences' context for that one layer.
+A step's decodes spread evenly over the DP groups; each prompt chunk runs whole on one group
+(`RooflineCost.prefill_share` bounds the busiest group's share of the prompt tokens).
 Every sum over sequences is precomputed by the caller, so a step costs O(1) here.
 `decode_line(batch)` gives (a, b) with step time a + b * total_context for decode-only batches,
 which lets a decode node run many identical steps as one event.
@@ -18,7 +30,7 @@ which lets a decode node run many identical steps as one event.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +41,7 @@ from disagg.hardware import GPU
 from disagg.models import ModelSpec, dtype_bytes
 
 QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per tile)
+ACT = 2  # bytes per activation element (bf16)
 
 
 @dataclass(frozen=True)
@@ -70,26 +83,54 @@ class RooflineCost:
         self.flops = gpu.flops(weight_dtype) * cost.gemm_efficiency
         self.attn_flops = gpu.bf16_flops * cost.attention_efficiency
         self.hbm = gpu.hbm_bandwidth_bps * cost.memory_efficiency
-        self.gpus = group.tp * group.dp
-        m = model
-        kv_shards = 1 if m.attention == "mla" else min(group.tp, m.kv_heads)
-        # KV bytes one GPU reads per cached token (all layers)
-        self.kv_read_per_token = m.kv_bytes_per_token(kv_dtype) / kv_shards / group.dp
-        per_rank = group.tp * group.dp
-        self.attn_flops_per_pair = m.layers * m.attn_flops(1) / per_rank  # decode (absorbed)
-        self.prefill_flops_per_pair = m.layers * m.attn_flops(1, absorbed=False) / per_rank
-        dense_params = m.active_params_per_token - m.moe_layers * (
-            m.experts_per_token * m.expert_params
-        )
-        self.dense_flops_per_token = 2 * dense_params / self.gpus
-        self.dense_bytes = dense_params * self.wbytes / self.gpus
+        self.nvlink = gpu.nvlink_bandwidth_bps * cost.allreduce_efficiency
+        m, tp = model, group.tp
+        self.gpus = tp * group.dp
+        kv_shards = 1 if m.attention == "mla" else min(tp, m.kv_heads)
+        # per GPU of one DP group, for that group's own sequences (heads split over its tp)
+        self.kv_read_per_token = m.kv_bytes_per_token(kv_dtype) / kv_shards  # all layers
+        self.attn_flops_per_pair = m.layers * m.attn_flops(1) / tp  # decode (absorbed)
+        self.prefill_flops_per_pair = m.layers * m.attn_flops(1, absorbed=False) / tp
+        # attention projections: every DP group holds them, split over its tp ranks only
+        attn_params = m.layers * m.attn_params_per_layer
+        self.attn_flops_per_token = 2 * attn_params / tp
+        self.attn_bytes = attn_params * self.wbytes / tp
+        # the other dense weights (dense MLPs, shared experts, routers, LM head): all GPUs
+        routed = m.moe_layers * m.experts_per_token * m.expert_params
+        other = m.active_params_per_token - attn_params - routed
+        self.dense_flops_per_token = 2 * other / self.gpus
+        self.dense_bytes = other * self.wbytes / self.gpus
+        # elementwise traffic: the hidden state on every rank of a group, the MLP activation
+        # (gate and up read, their product written) split over all GPUs
+        self.stream_bytes_per_token = m.layers * cost.elementwise_hidden_passes * m.hidden * ACT
+        width = (m.layers - m.moe_layers) * m.intermediate + m.moe_layers * (
+            m.experts_per_token + m.shared_experts
+        ) * m.moe_intermediate
+        self.act_bytes_per_token = 3 * width * ACT / self.gpus
         self.step_fixed_s = cost.step_overhead_s + m.layers * cost.layer_overhead_s
+        self.draft_tokens = spec.draft_tokens
+        self.draft = (  # the draft module: one layer (an MoE one if the model has them) + LM head
+            RooflineCost(
+                replace(m, layers=1, dense_layers=0),
+                gpu,
+                group,
+                cost.model_copy(update={"step_overhead_s": 0.0}),
+                SpecConfig(),
+                weight_dtype,
+                kv_dtype,
+            )
+            if spec.draft_tokens
+            else None
+        )
         self._lines: dict[int, tuple[float, float]] = {}  # decode_line by batch size
 
     # ---- parts -------------------------------------------------------------------------
-    def _gemm(self, tokens: int) -> float:
+    def _gemm(self, tokens: float, group_tokens: float) -> float:
+        """All of the step's `tokens` meet the weights spread over every GPU; the busiest DP
+        group's `group_tokens` meet its attention projections."""
         m = self.model
-        dense = max(tokens * self.dense_flops_per_token / self.flops, self.dense_bytes / self.hbm)
+        flops = group_tokens * self.attn_flops_per_token + tokens * self.dense_flops_per_token
+        dense = max(flops / self.flops, (self.attn_bytes + self.dense_bytes) / self.hbm)
         if not m.is_moe or tokens == 0:
             return dense
         routed = tokens * m.experts_per_token
@@ -98,20 +139,46 @@ class RooflineCost:
         moe_bytes = distinct * m.expert_params * m.moe_layers * self.wbytes / self.gpus
         return dense + max(moe_flops / self.flops, moe_bytes / self.hbm)
 
-    def _comm(self, tokens: int) -> float:
+    def collective_s(self, nbytes: float, steps: int) -> float:
+        """One collective of `steps` peer steps moving `nbytes` per GPU over NVLink."""
+        c = self.cost
+        return c.collective_latency_s + steps * c.collective_step_latency_s + nbytes / self.nvlink
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """One all-reduce of an `nbytes` message over the group's tp ranks."""
+        p = self.group.tp
+        wire = nbytes if self.cost.allreduce_in_switch else 2 * (p - 1) / p * nbytes
+        return self.collective_s(wire, 2 * (p - 1))
+
+    def _comm(self, group_tokens: float) -> float:
         m, g = self.model, self.group
-        act = tokens * m.hidden * 2  # bf16 activations
-        nvlink = self.gpu.nvlink_bandwidth_bps * self.cost.allreduce_efficiency
+        act = group_tokens * m.hidden * ACT  # the busiest DP group's hidden states
         t = 0.0
-        if g.tp > 1:  # two ring all-reduces per layer
-            t += 2 * m.layers * 2 * (g.tp - 1) / g.tp * act / nvlink
+        if g.tp > 1:  # two all-reduces per layer (attention output, MLP output)
+            t += 2 * m.layers * self.allreduce_s(act)
         if g.dp > 1 and m.is_moe:  # dispatch + combine of each token's top-k hidden states
-            t += m.moe_layers * 2 * act * m.experts_per_token / self.gpus / nvlink
+            per_gpu = act * m.experts_per_token / g.tp
+            t += m.moe_layers * 2 * self.collective_s(per_gpu, self.gpus - 1)
         return t
+
+    def _elementwise(self, tokens: float, group_tokens: float) -> float:
+        traffic = group_tokens * self.stream_bytes_per_token + tokens * self.act_bytes_per_token
+        return traffic / self.hbm
 
     def _attention(self, pairs: float, context: float, flops_per_pair: float) -> float:
         flops = pairs * flops_per_pair
         return max(flops / self.attn_flops, context * self.kv_read_per_token / self.hbm)
+
+    def prefill_share(self, s: StepShape) -> float:
+        """The fraction of the step's prompt tokens on its busiest DP group. A chunk runs on
+        one group, so that group holds at least the token-weighted mean chunk, sum(n^2)/sum(n)
+        (from the pairs: 2 * pairs / tokens - 1 for chunks without cached tokens; cached tokens
+        make it larger), and at least 1/dp of the tokens."""
+        n, dp = s.prefill_tokens, self.group.dp
+        if dp == 1 or n == 0:
+            return 1.0
+        mean_chunk = 2 * s.prefill_attn_pairs / n - 1
+        return min(max(mean_chunk / n, 1 / dp), 1.0)
 
     # ---- public ------------------------------------------------------------------------
     def step_time(self, s: StepShape) -> float:
@@ -119,18 +186,27 @@ class RooflineCost:
         tokens = s.prefill_tokens + s.decode_seqs * self.decode_qo
         if tokens == 0:
             return 0.0
-        return (
+        dp, share = self.group.dp, self.prefill_share(s)
+        group_tokens = share * s.prefill_tokens + s.decode_seqs * self.decode_qo / dp
+        pairs = share * s.prefill_attn_pairs
+        t = (
             self.step_fixed_s
-            + self._gemm(tokens)
-            + self._comm(tokens)
+            + self._gemm(tokens, group_tokens)
+            + self._comm(group_tokens)
+            + self._elementwise(tokens, group_tokens)
             # flash attention reads each key once per tile of queries
+            + self._attention(pairs, pairs / QUERY_TILE, self.prefill_flops_per_pair)
+            # decodes spread evenly over the DP groups
             + self._attention(
-                s.prefill_attn_pairs, s.prefill_attn_pairs / QUERY_TILE, self.prefill_flops_per_pair
-            )
-            + self._attention(
-                s.decode_context * self.decode_qo, s.decode_context, self.attn_flops_per_pair
+                s.decode_context * self.decode_qo / dp,
+                s.decode_context / dp,
+                self.attn_flops_per_pair,
             )
         )
+        if self.draft is not None and s.decode_seqs:
+            drafts = StepShape(decode_seqs=s.decode_seqs, decode_context=s.decode_context)
+            t += self.draft_tokens * self.draft.step_time(drafts)
+        return t
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
         """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K."""
@@ -140,12 +216,11 @@ class RooflineCost:
         return line
 
     def _decode_line(self, seqs: int) -> tuple[float, float]:
-        tokens = seqs * self.decode_qo
-        a = self.step_fixed_s + self._gemm(tokens) + self._comm(tokens)
-        b = max(
-            self.decode_qo * self.attn_flops_per_pair / self.attn_flops,
-            self.kv_read_per_token / self.hbm,
-        )
+        a = self.step_time(StepShape(decode_seqs=seqs))  # no context: no attention
+        dp = self.group.dp
+        b = self._attention(self.decode_qo / dp, 1 / dp, self.attn_flops_per_pair)
+        if self.draft is not None:
+            b += self.draft_tokens * self.draft.decode_line(seqs)[1]
         return a, b
 
 
@@ -163,9 +238,18 @@ class ProfileCost:
     and decode parts plus `mixed_offset_s`: the median, over the mixed rows, of what a measured
     mixed pass took beyond its two parts (negative: the fixed costs they share), or 0 without
     mixed rows. The table must come from the same model and depth as the experiment.
+
+    The curves above are device time. A pass also costs the host time the serving loop spends
+    around it (batch building, planning, sampling, the sync): the optional column host_s (0
+    where a table lacks it). Each kind's host time is the median of its rows (a mixed pass
+    without mixed rows: the larger of the prefill and decode medians), not a curve: that work
+    barely depends on the shape, and host_s is a difference of two timings (wall minus
+    device), noisy point by point, so a curve through it would add noise to every pass and
+    bend what extrapolation extends. On top of that, `pass_overhead_s` (default 0): a fixed
+    cost per pass for the serving loop's work outside the profiled step.
     """
 
-    def __init__(self, path: Path, decode_qo: int = 1) -> None:
+    def __init__(self, path: Path, decode_qo: int = 1, pass_overhead_s: float = 0.0) -> None:
         import pandas as pd
 
         try:
@@ -180,7 +264,7 @@ class ProfileCost:
         self.decode = df[df.kind == "decode"].groupby(["batch", "context"]).duration_s.median()
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
-        self._lines: dict[int, tuple[float, float]] = {}  # decode_line by batch size
+        self._lines: dict[int, tuple[float, float]] = {}  # _device_line by batch size
         self.max_prefill_tokens = int(df[df.kind == "prefill"].tokens.max())
         self.max_decode_batch = int(self.decode.index.get_level_values(0).max())
         self.max_decode_context = int(self.decode.index.get_level_values(1).max())
@@ -194,6 +278,21 @@ class ProfileCost:
             )
         ]
         self.mixed_offset_s = float(np.median(beyond_parts)) if beyond_parts else 0.0
+        host = df.host_s.to_numpy(float) if "host_s" in df.columns else np.zeros(len(df))
+        bad = ~(np.isfinite(host) & (host >= 0))
+        if bad.any():
+            raise ConfigError(
+                f"cost profile {path}: host_s {float(host[bad][0])!r}: give seconds >= 0"
+            )
+        if not 0 <= pass_overhead_s < np.inf:
+            raise ConfigError(f"pass_overhead_s {pass_overhead_s!r}: give seconds >= 0")
+        by_kind = pd.Series(host, index=df.index).groupby(df.kind).median()
+        self.prefill_host_s = float(by_kind["prefill"])
+        self.decode_host_s = float(by_kind["decode"])
+        self.mixed_host_s = float(
+            by_kind.get("mixed", max(self.prefill_host_s, self.decode_host_s))
+        )
+        self.pass_overhead_s = pass_overhead_s
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         contexts = sorted({c for c, _ in self.prefill.index})
@@ -205,6 +304,12 @@ class ProfileCost:
         return _interp(context, np.array(contexts, float), np.maximum.accumulate(per_ctx))
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
+        """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
+        (its host time and `pass_overhead_s` are in a)."""
+        a, b = self._device_line(seqs)
+        return a + self.decode_host_s + self.pass_overhead_s, b
+
+    def _device_line(self, seqs: int) -> tuple[float, float]:
         line = self._lines.get(seqs)
         if line is None:
             line = self._lines[seqs] = self._decode_line(seqs)
@@ -226,8 +331,8 @@ class ProfileCost:
         return a, max(per_token, 0.0)
 
     def _decode_time(self, seqs: int, context_tokens: float) -> float:
-        """A decode pass of `seqs` sequences holding `context_tokens` cached tokens in all."""
-        a, b = self.decode_line(seqs)
+        """A decode pass's device time: `seqs` sequences, `context_tokens` cached tokens in all."""
+        a, b = self._device_line(seqs)
         return a + b * context_tokens
 
     def step_time(self, s: StepShape) -> float:
@@ -246,8 +351,14 @@ class ProfileCost:
         if s.decode_seqs:
             t += self._decode_time(s.decode_seqs, s.decode_context)
         if s.prefill_tokens and s.decode_seqs:
-            t = max(t + self.mixed_offset_s, 0.0)
-        return t
+            t = max(t + self.mixed_offset_s, 0.0) + self.mixed_host_s
+        elif s.prefill_tokens:
+            t += self.prefill_host_s
+        elif s.decode_seqs:
+            t += self.decode_host_s
+        else:
+            return 0.0  # no pass
+        return t + self.pass_overhead_s
 
 
 def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
@@ -270,7 +381,8 @@ def make_cost_model(exp: Experiment, group: GroupConfig) -> CostModel:
     qo = 1 + exp.spec.draft_tokens
     if exp.cost.source.startswith("profile:"):
         path = Path(exp.cost.source.removeprefix("profile:"))
-        return ProfileCost(path if path.is_absolute() else Path(exp.base_dir) / path, qo)
+        path = path if path.is_absolute() else Path(exp.base_dir) / path
+        return ProfileCost(path, qo, exp.cost.profile_pass_overhead_s)
     return RooflineCost(
         exp.model.spec,
         exp.hardware.gpu_spec,
