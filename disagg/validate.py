@@ -2,7 +2,9 @@
 
 Stages, each announced through `say`:
 1. profile the device for the experiments' model (`disagg.hw.profile.profile`) over the grid
-   their workloads reach: prefill chunks x cached context, decode batch x context;
+   their workloads reach: prefill chunks x cached context, decode batch x context, mixed
+   passes, each with its host time; then measure the serving loop's time between passes
+   (`measure_loop`), which the profile replays add to every pass;
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
@@ -184,6 +186,7 @@ def replay(run_dir: Path, overrides: list[str], out: Path) -> tuple[dict[str, An
     xfers = transfers_table(sim.rec)
     wall = time.perf_counter() - start
     summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
+    summary |= sim.cost_summary()  # with the profile: the passes costed beyond its grid
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")
@@ -220,10 +223,43 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
             page_size=exps[0].kv.page_size,
             attention=exps[0].hw.attention,
             reduce=min if cpu else statistics.median,
+            fused_ops=exps[0].hw.latency.fused_ops,
             **asdict(profile_grid(exps, opts.grid_points)),
         )
     write_csv(df, csv)
     return df
+
+
+BURST_REQUESTS = 16  # the loop calibration's requests, all arriving at once
+
+
+def pass_gaps(steps: pd.DataFrame) -> pd.Series:
+    """Per node, the time from each pass's end to the next pass's start (s)."""
+    gaps = []
+    for _, passes in steps.sort_values("start_s").groupby("node", sort=True):
+        ends = passes.start_s + passes.duration_s
+        gaps.append(passes.start_s.shift(-1) - ends)
+    return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
+
+
+def measure_loop(exps: Sequence[Experiment], out: Path) -> float:
+    """The serving loop's own time between passes on this device, which a profile of passes
+    leaves out: a colocated server (the experiments' colocated one, else the first in that
+    mode) given `BURST_REQUESTS` requests at once always has its next pass ready, so the median
+    gap between its passes is the loop's time (control messages, bookkeeping)."""
+    from disagg.hw.driver import run_hw
+
+    coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
+    coloc = coloc or other_mode(exps[0])
+    burst = coloc.updated(f"workload.num_requests={BURST_REQUESTS}", "workload.rate_per_s=1000000")
+    run_hw(burst, out)
+    gaps = pass_gaps(pd.read_parquet(out / "steps.parquet"))
+    if gaps.empty:
+        raise ConfigError(f"the loop calibration run ({out}) ran fewer than two passes")
+    loop_s = max(0.0, float(gaps.median()))
+    record = {"pass_overhead_s": loop_s, "gaps": len(gaps), "requests": BURST_REQUESTS}
+    (out / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
+    return loop_s
 
 
 def validate(
@@ -243,6 +279,8 @@ def validate(
     start = time.perf_counter()
     df = measure_profile(exps, opts, csv)
     say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
+    loop_s = measure_loop(exps, out / "calibration")
+    say(f"serving loop: {loop_s * 1e3:.3g} ms between passes (a burst of {BURST_REQUESTS})")
     runs = plan_runs(exps, _rates(exps, csv, opts, say))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}
@@ -253,12 +291,19 @@ def validate(
         summaries[run.label] = {"hw": run_hw(run.exp, hw_dir)[0]}
         requests[run.label] = {"hw": pd.read_parquet(hw_dir / "requests.parquet")}
     for i, run in enumerate(runs, 1):
-        for source, cost in (("sim_profile", f"profile:{csv}"), ("sim_roofline", "roofline")):
+        profiled = [f"cost.source=profile:{csv}", f"cost.profile_pass_overhead_s={loop_s!r}"]
+        for source, costs in (
+            ("sim_profile", profiled),
+            ("sim_roofline", ["cost.source=roofline"]),
+        ):
             say(f"replay {i}/{len(runs)}: {run.label} ({source.removeprefix('sim_')})")
-            overrides = [*opts.sim_overrides, f"cost.source={cost}"]
+            overrides = [*opts.sim_overrides, *costs]
             where = out / source.replace("_", "-") / run.label
             summary, req = replay(out / "hw" / run.label, overrides, where)
             summaries[run.label][source], requests[run.label][source] = summary, req
+            if summary.get("profile_passes_extrapolated"):
+                passes = f"{summary['profile_passes_extrapolated']} of {summary['profile_passes']}"
+                say(f"replay {i}/{len(runs)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
     report = Report(table, write_report(table, tolerances, out))
     report.files = [out / "fidelity.csv", out / "fidelity.md"]

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e '.[hw]'")
 
 import pandas as pd
+import torch
 
 from disagg.hw.profile import COLUMNS, profile, write_csv
 from disagg.hw.specs import tiny_gqa
@@ -28,7 +29,8 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
         repeats=3,
         mixed=((8, 4, 8), (32, 4, 8)),
     )
-    assert list(df.columns) == COLUMNS == ["kind", "tokens", "batch", "context", "duration_s"]
+    assert list(df.columns) == COLUMNS
+    assert COLUMNS == ["kind", "tokens", "batch", "context", "duration_s", "host_s"]
     prefill, decode, mixed = (df[df.kind == k] for k in ("prefill", "decode", "mixed"))
     assert sorted(zip(mixed.tokens, mixed.batch, mixed.context, strict=True)) == [
         (8, 4, 8),
@@ -43,5 +45,32 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
     assert (prefill.batch == 1).all()
     assert list(decode.tokens) == list(decode.batch) == [1, 4] and (decode.context == 8).all()
     assert (df.duration_s > 0).all()
+    assert (df.host_s == 0.0).all()  # on the CPU the step's wall time is its duration
     back = pd.read_csv(write_csv(df, tmp_path / "gpu_profile.csv"))
     pd.testing.assert_frame_equal(back, df)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_on_a_gpu_gives_each_shape_its_host_time() -> None:
+    """host_s: a serial step's wall time (sampling and sync included) beyond its device time;
+    FlashInfer (with decode graphs) where it is installed, else the torch reference."""
+    import importlib.util
+
+    flashinfer = importlib.util.find_spec("flashinfer") is not None
+    df = profile(
+        tiny_gqa(layers=4),
+        layers=2,
+        device="cuda",
+        prefill_tokens=(16, 64),
+        prefill_context=(0,),
+        decode_batch=(1, 4),
+        decode_context=(32,),
+        attention="auto" if flashinfer else "torch",
+        fused_ops=flashinfer,
+        warmup=2,
+        repeats=5,
+        mixed=((16, 4, 32),),
+    )
+    assert list(df.kind) == ["prefill", "prefill", "decode", "decode", "mixed"]
+    assert (df.duration_s > 0).all()
+    assert (df.host_s >= 0).all() and df.host_s.notna().all()

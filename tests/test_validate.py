@@ -13,6 +13,7 @@ import pytest
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
+from disagg.validate import pass_gaps
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -111,6 +112,18 @@ def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
     assert "0 of 2 cells met." in text
     assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** |" in text
     assert "None given" in markdown(table, [])
+
+
+def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
+    steps = pd.DataFrame(
+        {
+            "node": ["a", "b", "a", "a", "b"],
+            "start_s": [0.0, 0.5, 1.25, 3.0, 0.75],
+            "duration_s": [1.0, 0.125, 0.5, 1.0, 0.25],
+        }
+    )
+    # a: 0-1, 1.25-1.75, 3-4 -> gaps 0.25, 1.25; b: 0.5-0.625, 0.75-1 -> gap 0.125
+    assert sorted(pass_gaps(steps)) == [0.125, 0.25, 1.25]
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:
@@ -240,6 +253,25 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert ran["hardware"]["gpu"]["name"] == "cpu-measured"  # the replays' device
     replayed = json.loads((out / "sim-profile" / "disagg-60rps" / "experiment.json").read_text())
     assert replayed["cost"]["source"] == f"profile:{(out / 'profile.csv').resolve()}"
+    # the profile replay's summary counts the passes it costed, and those beyond its grid
+    costed = json.loads((out / "sim-profile" / "disagg-60rps" / "summary.json").read_text())
+    assert 0 <= costed["profile_passes_extrapolated"] <= costed["profile_passes"]
+    assert costed["profile_passes"] > 0
+    roofline = json.loads((out / "sim-roofline" / "disagg-60rps" / "summary.json").read_text())
+    assert roofline.get("profile_passes") is None
+    # the serving loop's gap between passes, from a burst run, goes into the profile replays
+    burst = pd.read_parquet(out / "calibration" / "requests.parquet")
+    assert len(burst) == 16
+    loop = json.loads((out / "calibration" / "calibration.json").read_text())
+    gaps = pass_gaps(pd.read_parquet(out / "calibration" / "steps.parquet"))
+    assert loop["pass_overhead_s"] == max(0.0, float(gaps.median())) and loop["gaps"] == len(gaps)
+    assert replayed["cost"]["profile_pass_overhead_s"] == loop["pass_overhead_s"]
+    assert (
+        json.loads((out / "sim-roofline" / "disagg-60rps" / "experiment.json").read_text())["cost"][
+            "profile_pass_overhead_s"
+        ]
+        == 0
+    )
 
     # two experiments given: each as it is, by mode; a tolerance nothing meets
     coloc = tmp_path / "coloc.json"
@@ -257,7 +289,8 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ([str(EXPERIMENTS / "r1-disagg-dp8.toml")], "r1-disagg-dp8.toml: not runnable on the hw"),
+        # DP attention runs on the CPU's rank processes (test_hw_dp): R1's weights do not fit
+        ([str(EXPERIMENTS / "r1-disagg-dp8.toml")], "deepseek-r1 weights (61 layers) needs"),
         ([str(EXPERIMENTS / "r1-disagg-1p3d.toml")], "deepseek-r1 weights (61 layers) needs"),
         ([str(TINY), "--tolerance", "ttft_p50=x"], "--tolerance ttft_p50='x'"),
         ([str(TINY), "--tolerance", "goodput=3"], "--tolerance 'goodput': unknown metric"),

@@ -7,12 +7,21 @@ model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt 
 `tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
 Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
-prefilling sequence), duration_s.
+prefilling sequence), duration_s, host_s.
+
+duration_s is the device's time per step with steps issued back to back (`time_it`: CUDA
+events; the host prepares the next step while the device runs this one). A serving loop runs
+one step at a time: it builds and plans the batch, launches it, samples the tokens and waits
+for them, so each of its passes also pays the host work the device does not overlap. host_s
+is that: on a GPU, the `reduce` of the wall time of a whole `Runner.step(..., sample=True)`
+and its final device sync, one step at a time, minus duration_s (at least 0). On the CPU the
+step is host work throughout and duration_s is already its wall time, so host_s is 0 there.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -27,7 +36,7 @@ from disagg.hw.model import Transformer
 from disagg.hw.runner import Runner
 from disagg.models import ModelSpec
 
-COLUMNS = ["kind", "tokens", "batch", "context", "duration_s"]
+COLUMNS = ["kind", "tokens", "batch", "context", "duration_s", "host_s"]
 
 
 def _seqs(batch: int, new: int, context: int, page_size: int, vocab: int) -> list[Seq]:
@@ -41,6 +50,28 @@ def _seqs(batch: int, new: int, context: int, page_size: int, vocab: int) -> lis
         )
         for i in range(batch)
     ]
+
+
+def _time_step(
+    runner: Runner,
+    seqs: list[Seq],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    reduce: Callable[[list[float]], float],
+) -> tuple[float, float]:
+    """(duration_s, host_s) of a step of `seqs` (see the module doc)."""
+    device_s = reduce(time_it(partial(runner.step, seqs), device, warmup=warmup, repeats=repeats))
+    if device.type != "cuda":
+        return device_s, 0.0
+    walls = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        runner.step(seqs, sample=True)
+        torch.cuda.synchronize(device)
+        walls.append(time.perf_counter() - t0)
+    return device_s, max(reduce(walls) - device_s, 0.0)
 
 
 def profile(
@@ -60,12 +91,14 @@ def profile(
     attention: str = "auto",
     reduce: Callable[[list[float]], float] = statistics.median,
     mixed: Sequence[tuple[int, int, int]] = (),
+    fused_ops: bool = True,
 ) -> pd.DataFrame:
-    """Step durations over the grids, each `reduce` (default: the median) of its `repeats`
-    times (see the module doc for the columns). `min` suits a shared CPU, where a run of the
-    same shape is now and then stalled by other processes."""
+    """Step durations and host times over the grids, each `reduce` (default: the median) of
+    its `repeats` times (see the module doc for the columns). `min` suits a shared CPU, where
+    a run of the same shape is now and then stalled by other processes. `fused_ops`: the
+    model's FlashInfer elementwise kernels on CUDA (as the experiment's hw.latency.fused_ops)."""
     dev = resolve_device(device)
-    model = Transformer(spec.with_layers(layers), seed=seed, device=dev)
+    model = Transformer(spec.with_layers(layers), seed=seed, device=dev, fused_ops=fused_ops)
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
     decode = [(b, c) for b in decode_batch for c in decode_context]
     need = [pages_for(n + c, page_size) for n, c in prefill]
@@ -78,16 +111,15 @@ def profile(
         for a, c in grid:
             batch, tokens = (1, a) if new is None else (a, 1)
             seqs = _seqs(batch, tokens, c, page_size, spec.vocab)
-            times = time_it(partial(runner.step, seqs), dev, warmup=warmup, repeats=repeats)
-            rows.append((kind, tokens * batch, batch, c, reduce(times)))
+            device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
+            rows.append((kind, tokens * batch, batch, c, device_s, host_s))
     for n, b, c in mixed:  # the chunk's pages after the decodes'
         decodes = _seqs(b, 1, c, page_size, spec.vocab)
         after = b * pages_for(c + 1, page_size)
         (chunk,) = _seqs(1, n, 0, page_size, spec.vocab)
         chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
-        step = partial(runner.step, [chunk, *decodes])
-        times = time_it(step, dev, warmup=warmup, repeats=repeats)
-        rows.append(("mixed", n, b, c, reduce(times)))
+        device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
+        rows.append(("mixed", n, b, c, device_s, host_s))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -1,0 +1,126 @@
+"""The profile cost model's host time per pass and fixed per-pass cost, against hand arithmetic
+on small hand-written tables (the interpolation itself: tests/test_costmodel.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from disagg.errors import ConfigError
+from disagg.sim.costmodel import ProfileCost, StepShape
+
+# prefill: 1 ms per 512 tokens; decode: 10 ms + 0.1 us per cached token of the batch.
+# host_s medians: prefill 0.4 ms (of 0.2, 0.4, 0.9), decode 0.25 ms (of 0.1, 0.3, 0.5, 0.2)
+PREFILL = [(512, 0.001, 0.0002), (1024, 0.002, 0.0004), (2048, 0.004, 0.0009)]
+DECODE = [(1, 1000, 0.0001), (1, 3000, 0.0003), (8, 1000, 0.0005), (8, 3000, 0.0002)]
+# a mixed pass of a 1024-token chunk beside 8 decodes of 2000: 4 ms under its two parts
+# (2 ms + 11.6 ms), with 0.6 ms of host time
+MIXED = "mixed,1024,8,2000,0.0096,0.0006"
+
+
+def table(tmp_path: Path, mixed: bool = True, host: bool = True) -> Path:
+    rows = [f"prefill,{n},1,0,{t},{h}" for n, t, h in PREFILL]
+    rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},{h}" for b, c, h in DECODE]
+    rows += [MIXED] if mixed else []
+    if not host:
+        rows = [r.rsplit(",", 1)[0] for r in rows]
+    header = "kind,tokens,batch,context,duration_s" + (",host_s" if host else "")
+    path = tmp_path / "profile.csv"
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return path
+
+
+def prefill(n: int) -> StepShape:
+    return StepShape(prefill_tokens=n, prefill_attn_pairs=n * (n + 1) / 2)
+
+
+DECODE_8 = StepShape(decode_seqs=8, decode_context=16000)
+MIXED_PASS = StepShape(
+    prefill_tokens=512, prefill_attn_pairs=512 * 513 / 2, decode_seqs=1, decode_context=1000
+)
+
+
+def test_each_kind_of_pass_adds_the_median_host_time_of_its_rows(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path))
+    assert (c.prefill_host_s, c.decode_host_s, c.mixed_host_s) == pytest.approx(
+        (0.0004, 0.00025, 0.0006)
+    )
+    # 768 tokens: halfway from 1 to 2 ms on the device
+    assert c.step_time(prefill(768)) == pytest.approx(0.0015 + 0.0004)
+    assert c.step_time(DECODE_8) == pytest.approx(0.01 + 16000e-7 + 0.00025)
+    # the mixed rows' offset is of device time alone: 9.6 - (2 + 11.6) ms
+    assert c.mixed_offset_s == pytest.approx(-0.004)
+    # 512-token chunk (1 ms) + one decode of 1000 (10.1 ms) - 4 ms, + the mixed host time
+    assert c.step_time(MIXED_PASS) == pytest.approx(0.001 + 0.0101 - 0.004 + 0.0006)
+    assert c.step_time(StepShape()) == 0.0  # no pass, no host time
+
+
+def test_the_decode_line_carries_the_host_time_so_merged_passes_match(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path), pass_overhead_s=0.002)
+    a, b = c.decode_line(8)
+    assert (a, b) == pytest.approx((0.01 + 0.00025 + 0.002, 1e-7))
+    assert a + b * 16000 == pytest.approx(c.step_time(DECODE_8))
+
+
+def test_a_fixed_cost_per_pass_is_added_to_every_pass(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path), pass_overhead_s=0.002)
+    assert c.step_time(prefill(768)) == pytest.approx(0.0015 + 0.0004 + 0.002)
+    assert c.step_time(MIXED_PASS) == pytest.approx(0.0071 + 0.0006 + 0.002)
+
+
+def test_a_mixed_pass_without_mixed_rows_pays_the_larger_host_time(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path, mixed=False))
+    assert c.mixed_host_s == pytest.approx(0.0004)  # prefill's, above decode's 0.25 ms
+    assert c.step_time(MIXED_PASS) == pytest.approx(0.001 + 0.0101 + 0.0004)
+
+
+def test_a_table_without_host_s_costs_device_time_only(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path, host=False))
+    assert (c.prefill_host_s, c.decode_host_s, c.mixed_host_s) == (0.0, 0.0, 0.0)
+    assert c.step_time(prefill(768)) == pytest.approx(0.0015)
+    assert c.step_time(DECODE_8) == pytest.approx(0.0116)
+
+
+def test_bad_host_times_and_overheads_are_refused_naming_them(tmp_path: Path) -> None:
+    path = table(tmp_path)
+    path.write_text(path.read_text().replace("0.0009", "-0.0009"))
+    with pytest.raises(ConfigError, match=r"host_s -0.0009: give seconds >= 0"):
+        ProfileCost(path)
+    with pytest.raises(ConfigError, match=r"pass_overhead_s -1.0: give seconds >= 0"):
+        ProfileCost(table(tmp_path), pass_overhead_s=-1.0)
+
+
+def test_a_simulated_request_pays_the_host_time_on_every_pass(tmp_path: Path) -> None:
+    """One request at a time: with 1 ms more host time on every row, each request's TTFT (one
+    prefill pass) and TPOT (one decode pass per token) grow by exactly 1 ms."""
+    from disagg.config import build_experiment
+    from disagg.core.metrics import requests_table
+    from disagg.sim.cluster import Sim
+
+    def run(host_s: float) -> list[tuple[float, float]]:
+        rows = [f"prefill,{n},1,0,{t},{host_s}" for n, t, _ in PREFILL]
+        rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},{host_s}" for b, c, _ in DECODE]
+        path = tmp_path / f"host-{host_s}.csv"
+        path.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
+        data = {
+            "model": {"name": "tiny-gqa"},
+            "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
+            "cost": {"source": f"profile:{path}"},
+            "workload": {
+                "rate_per_s": 0.5,
+                "num_requests": 3,
+                "prompt_tokens": {"dist": "fixed", "value": 600},
+                "output_tokens": {"dist": "fixed", "value": 5},
+            },
+        }
+        sim = Sim(build_experiment(data))
+        sim.run()
+        req = requests_table(sim.requests.values())
+        return list(zip(req.ttft_s, req.tpot_s, strict=True))
+
+    base, slower = run(0.0), run(0.001)
+    assert len(base) == 3
+    for (ttft, tpot), (ttft2, tpot2) in zip(base, slower, strict=True):
+        assert ttft2 - ttft == pytest.approx(0.001, abs=1e-9)
+        assert tpot2 - tpot == pytest.approx(0.001, abs=1e-9)
