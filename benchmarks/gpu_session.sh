@@ -15,7 +15,8 @@
 # settings (e.g. TTFT_ENVS='DISAGG_SPIN=1'), each into its own table gpu_ttft_N.md.
 # MOE=1 adds the MoE runs (PREBUILD=llama-3.1-8b,qwen3-30b-a3b builds their kernels):
 # moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
-# twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min.
+# twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
+# (MOE_BENCH=0 leaves moe_bench.py out).
 # VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
@@ -55,7 +56,7 @@ cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null
 if [ -n "${MOE:-}" ]; then
   M=experiments/qwen3moe-h200; SIM=(--set hardware.nic=NVLink-H200)
-  timeout 240 python3 benchmarks/moe_bench.py --device "cuda:$D" --out "$OUT" 2>&1 | tail -14 | tee -a "$LOG"
+  [ "${MOE_BENCH:-1}" = 0 ] || timeout 240 python3 benchmarks/moe_bench.py --device "cuda:$D" --out "$OUT" 2>&1 | tail -14 | tee -a "$LOG"
   timeout 150 python3 -m disagg.cli hw profile --model qwen3-30b-a3b --layers 12 \
     --device "cuda:$D" --out "$RUNS/moe/profile.csv" 2>&1 | tail -3 | tee -a "$LOG"
   for MODE in 1p3d colocated; do
@@ -74,6 +75,6 @@ fi
 [ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$RUNS" validate
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
-  tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tail -25 | tee -a "$LOG"
+  tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py tests/test_hw_profile.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
 tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true
