@@ -673,9 +673,9 @@ def plan_cmd(
 @guarded
 def validate_cmd(
     experiments: Annotated[
-        list[Path],
+        list[Path] | None,
         typer.Argument(help="Experiment TOML files; one: it and its other mode (colocated/disagg)"),
-    ],
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N: profiled; runs every server")] = "cpu",
     out: Annotated[Path, typer.Option(help="Directory for the runs and the report")] = Path(
         "runs/validate"
@@ -702,6 +702,13 @@ def validate_cmd(
         list[str] | None,
         typer.Option(help="Override a setting of the replays only (repeatable), e.g. hardware.nic"),
     ] = None,
+    replay: Annotated[
+        bool,
+        typer.Option(
+            help="--out holds an earlier validate run: replay its hw runs and rewrite the "
+            "report (after a change to the simulator; no device, no experiments)"
+        ),
+    ] = False,
 ) -> None:
     """Say how far the simulator is from the real backend: profile the device, run the hw
     backend colocated and disaggregated at several loads, replay each run with the profile and
@@ -713,6 +720,13 @@ def validate_cmd(
         loads = tuple(float(r) for r in rates.split(",")) if rates is not None else None
     except ValueError:
         raise ConfigError(f"--rates {rates!r}: give comma-separated requests/s") from None
+    if replay:
+        from disagg.validate import replay_all
+
+        if experiments:
+            raise ConfigError("--replay replays the runs in --out: give no experiments")
+        finish_report(replay_all(out, tolerances, sim_set or [], say))
+        return
     check_out_dir(out)
     _hw_missing()
     from disagg.validate import Options, validate
@@ -726,7 +740,11 @@ def validate_cmd(
         overrides=tuple(set_ or []),
         sim_overrides=tuple(sim_set or []),
     )
-    report = validate(experiments, out, tolerances, opts, say)
+    finish_report(validate(experiments or [], out, tolerances, opts, say))
+
+
+def finish_report(report: Any) -> None:
+    """Say what validate wrote and which cells missed; exit 1 if any did."""
     say(f"wrote {', '.join(str(f) for f in report.files)}")
     for miss in report.missed:
         say(f"missed: {miss}")

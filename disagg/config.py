@@ -251,8 +251,13 @@ class CostConfig(_Frozen):
     # hidden state this many times per layer, from HBM at memory_efficiency
     elementwise_hidden_passes: float = Field(default=12.0, ge=0)
     step_overhead_s: float = Field(default=0.003, ge=0)  # per pass: scheduling, sampling
-    # with a profile: the serving loop's own time between passes (`disagg validate` measures it)
+    # with a profile: the serving loop's own time between passes, and (if set) the host time
+    # per pass, replacing the profile's host_s: fixed for a decode pass or for one with a
+    # prompt chunk, plus per sequence (`disagg validate` measures them on a serving run)
     profile_pass_overhead_s: float = Field(default=0.0, ge=0)
+    profile_host_s: float | None = Field(default=None, ge=0)
+    profile_host_chunk_s: float = Field(default=0.0, ge=0)
+    profile_host_per_seq_s: float = Field(default=0.0, ge=0)
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from disagg.config import Experiment, load_experiment
@@ -242,24 +243,47 @@ def pass_gaps(steps: pd.DataFrame) -> pd.Series:
     return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
 
 
-def measure_loop(exps: Sequence[Experiment], out: Path) -> float:
-    """The serving loop's own time between passes on this device, which a profile of passes
-    leaves out: a colocated server (the experiments' colocated one, else the first in that
-    mode) given `BURST_REQUESTS` requests at once always has its next pass ready, so the median
-    gap between its passes is the loop's time (control messages, bookkeeping)."""
+def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
+    """What a serving run's passes cost beyond the device, as `[cost]` fields: the median gap
+    between passes (`profile_pass_overhead_s`) and, where passes have device times (a GPU),
+    their host time (wall less device): a least-squares line over the decode passes' batch
+    sizes gives the fixed part of a decode pass and the part per sequence
+    (`profile_host_s`, `profile_host_per_seq_s`); a pass with a prompt chunk has its own fixed
+    part, the median of its host time less the per-sequence part (`profile_host_chunk_s`)."""
+    gaps = pass_gaps(steps)
+    if gaps.empty:
+        raise ConfigError("the loop calibration run ran fewer than two passes")
+    costs: dict[str, Any] = {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
+    timed = steps[steps.device_s.notna()] if "device_s" in steps else steps.iloc[:0]
+    host = timed.duration_s - timed.device_s
+    decode = timed.prefill_tokens == 0
+    if decode.sum() < 2:
+        return costs  # no device times (the CPU), or too few passes to fit
+    seqs, dhost = timed.batch_size[decode].to_numpy(float), host[decode].to_numpy(float)
+    per_seq, fixed = np.polyfit(seqs, dhost, 1) if np.ptp(seqs) > 0 else (0.0, dhost.mean())
+    if per_seq < 0:  # no growth with the batch: a constant
+        per_seq, fixed = 0.0, float(np.median(dhost))
+    chunk = host[~decode] - per_seq * timed.batch_size[~decode]
+    costs["profile_host_s"] = max(0.0, float(fixed))
+    costs["profile_host_chunk_s"] = max(0.0, float(chunk.median())) if len(chunk) else fixed
+    costs["profile_host_per_seq_s"] = float(per_seq)
+    return costs
+
+
+def measure_loop(exps: Sequence[Experiment], out: Path) -> dict[str, Any]:
+    """The serving loop's costs on this device that a profile of passes leaves out
+    (`loop_costs`), measured on a colocated server (the experiments' colocated one, else the
+    first in that mode) given `BURST_REQUESTS` requests at once: its next pass is always ready,
+    so the gaps between passes are the loop's own time. Written to `out/calibration.json`."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
     burst = coloc.updated(f"workload.num_requests={BURST_REQUESTS}", "workload.rate_per_s=1000000")
     run_hw(burst, out)
-    gaps = pass_gaps(pd.read_parquet(out / "steps.parquet"))
-    if gaps.empty:
-        raise ConfigError(f"the loop calibration run ({out}) ran fewer than two passes")
-    loop_s = max(0.0, float(gaps.median()))
-    record = {"pass_overhead_s": loop_s, "gaps": len(gaps), "requests": BURST_REQUESTS}
-    (out / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
-    return loop_s
+    costs = loop_costs(pd.read_parquet(out / "steps.parquet"))
+    (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
+    return costs
 
 
 def validate(
@@ -279,31 +303,51 @@ def validate(
     start = time.perf_counter()
     df = measure_profile(exps, opts, csv)
     say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
-    loop_s = measure_loop(exps, out / "calibration")
-    say(f"serving loop: {loop_s * 1e3:.3g} ms between passes (a burst of {BURST_REQUESTS})")
+    costs = measure_loop(exps, out / "calibration")
+    said = ", ".join(f"{k.removeprefix('profile_')} {v * 1e3:.3g} ms" for k, v in costs.items())
+    say(f"serving loop ({BURST_REQUESTS} requests at once): {said}")
     runs = plan_runs(exps, _rates(exps, csv, opts, say))
-    summaries: dict[str, dict[str, dict[str, Any]]] = {}
-    requests: dict[str, dict[str, pd.DataFrame]] = {}
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s
         say(f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)")
-        hw_dir = out / "hw" / run.label
-        summaries[run.label] = {"hw": run_hw(run.exp, hw_dir)[0]}
-        requests[run.label] = {"hw": pd.read_parquet(hw_dir / "requests.parquet")}
-    for i, run in enumerate(runs, 1):
-        profiled = [f"cost.source=profile:{csv}", f"cost.profile_pass_overhead_s={loop_s!r}"]
-        for source, costs in (
-            ("sim_profile", profiled),
-            ("sim_roofline", ["cost.source=roofline"]),
-        ):
-            say(f"replay {i}/{len(runs)}: {run.label} ({source.removeprefix('sim_')})")
-            overrides = [*opts.sim_overrides, *costs]
-            where = out / source.replace("_", "-") / run.label
-            summary, req = replay(out / "hw" / run.label, overrides, where)
-            summaries[run.label][source], requests[run.label][source] = summary, req
+        run_hw(run.exp, out / "hw" / run.label)
+    (out / "runs.json").write_text(json.dumps([run.label for run in runs]) + "\n")
+    return replay_all(out, tolerances, opts.sim_overrides, say)
+
+
+def replay_all(
+    out: Path,
+    tolerances: dict[str, float],
+    sim_overrides: Sequence[str] = (),
+    say: Callable[[str], None] = print,
+) -> Report:
+    """Stages 3 and 4 over a validate directory's hw runs (`out/hw`, in `runs.json`'s order),
+    its profile and its loop calibration: `disagg validate --replay` redoes them after a change
+    to the simulator, without the device."""
+    hw = out / "hw"
+    order = out / "runs.json"
+    labels = (
+        json.loads(order.read_text()) if order.exists() else sorted(p.name for p in hw.glob("*"))
+    )
+    csv = (out / "profile.csv").resolve()
+    if not labels or not csv.exists():
+        raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
+    calibration = out / "calibration" / "calibration.json"
+    costs = json.loads(calibration.read_text()) if calibration.exists() else {}
+    profiled = [f"cost.source=profile:{csv}", *(f"cost.{k}={v!r}" for k, v in costs.items())]
+    summaries: dict[str, dict[str, dict[str, Any]]] = {}
+    requests: dict[str, dict[str, pd.DataFrame]] = {}
+    for i, label in enumerate(labels, 1):
+        summaries[label] = {"hw": json.loads((hw / label / "summary.json").read_text())}
+        requests[label] = {"hw": pd.read_parquet(hw / label / "requests.parquet")}
+        for source, cost in (("sim_profile", profiled), ("sim_roofline", ["cost.source=roofline"])):
+            say(f"replay {i}/{len(labels)}: {label} ({source.removeprefix('sim_')})")
+            where = out / source.replace("_", "-") / label
+            summary, req = replay(hw / label, [*sim_overrides, *cost], where)
+            summaries[label][source], requests[label][source] = summary, req
             if summary.get("profile_passes_extrapolated"):
                 passes = f"{summary['profile_passes_extrapolated']} of {summary['profile_passes']}"
-                say(f"replay {i}/{len(runs)}: {passes} passes beyond the profiled grid")
+                say(f"replay {i}/{len(labels)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
     report = Report(table, write_report(table, tolerances, out))
     report.files = [out / "fidelity.csv", out / "fidelity.md"]

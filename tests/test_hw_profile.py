@@ -52,13 +52,16 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_on_a_gpu_gives_each_shape_its_host_time() -> None:
-    """host_s: a serial step's wall time (sampling and sync included) beyond its device time;
-    FlashInfer (with decode graphs) where it is installed, else the torch reference."""
+    """duration_s is the forward's device time, host_s the rest of a serial step's wall time;
+    FlashInfer (with decode graphs: head_dim 128) where it is installed, else the torch
+    reference."""
     import importlib.util
+
+    from disagg.hw.specs import small_gqa
 
     flashinfer = importlib.util.find_spec("flashinfer") is not None
     df = profile(
-        tiny_gqa(layers=4),
+        small_gqa(layers=4),
         layers=2,
         device="cuda",
         prefill_tokens=(16, 64),

@@ -124,3 +124,17 @@ def test_a_simulated_request_pays_the_host_time_on_every_pass(tmp_path: Path) ->
     for (ttft, tpot), (ttft2, tpot2) in zip(base, slower, strict=True):
         assert ttft2 - ttft == pytest.approx(0.001, abs=1e-9)
         assert tpot2 - tpot == pytest.approx(0.001, abs=1e-9)
+
+
+def test_host_time_measured_on_a_run_replaces_the_tables_and_grows_with_the_batch(
+    tmp_path: Path,
+) -> None:
+    """run_host: 1 ms per decode pass, 3 ms per pass with a chunk, 0.1 ms per sequence."""
+    c = ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001))
+    assert c.step_time(DECODE_8) == pytest.approx(0.01 + 16000e-7 + 0.001 + 8 * 0.0001)
+    assert c.decode_line(8)[0] == pytest.approx(0.01 + 0.001 + 8 * 0.0001)
+    # the chunk counts as one sequence beside its one decode
+    assert c.step_time(MIXED_PASS) == pytest.approx(0.001 + 0.0101 - 0.004 + 0.003 + 2 * 0.0001)
+    assert c.step_time(prefill(768)) == pytest.approx(0.0015 + 0.003 + 0.0001)
+    with pytest.raises(ConfigError, match="run_host"):
+        ProfileCost(table(tmp_path), run_host=(0.001, -1.0, 0.0))

@@ -13,7 +13,7 @@ import pytest
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
-from disagg.validate import pass_gaps
+from disagg.validate import loop_costs, pass_gaps
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -124,6 +124,42 @@ def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     )
     # a: 0-1, 1.25-1.75, 3-4 -> gaps 0.25, 1.25; b: 0.5-0.625, 0.75-1 -> gap 0.125
     assert sorted(pass_gaps(steps)) == [0.125, 0.25, 1.25]
+
+
+def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
+    """Decode passes: host 1 ms + 0.1 ms per sequence; chunk passes: 3 ms + 0.1 per sequence;
+    gaps between passes 0.5 ms (one of 2 ms)."""
+    batch = [1, 2, 4, 8, 3]
+    prefill = [0, 0, 0, 0, 500]
+    host = [
+        1e-3 + 1e-4 * b if p == 0 else 3e-3 + 1e-4 * b for b, p in zip(batch, prefill, strict=True)
+    ]
+    device = [0.01, 0.02, 0.03, 0.04, 0.05]
+    duration = [d + h for d, h in zip(device, host, strict=True)]
+    start, starts = 0.0, []
+    for d, gap in zip(duration, [5e-4, 5e-4, 2e-3, 5e-4, 0.0], strict=True):
+        starts.append(start)
+        start += d + gap
+    steps = pd.DataFrame(
+        {
+            "node": "colocated0",
+            "start_s": starts,
+            "duration_s": duration,
+            "device_s": device,
+            "batch_size": batch,
+            "prefill_tokens": prefill,
+        }
+    )
+    costs = loop_costs(steps)
+    assert costs == {
+        "profile_pass_overhead_s": pytest.approx(5e-4),
+        "profile_host_s": pytest.approx(1e-3),
+        "profile_host_chunk_s": pytest.approx(3e-3),
+        "profile_host_per_seq_s": pytest.approx(1e-4),
+    }
+    assert loop_costs(steps.assign(device_s=math.nan)) == {
+        "profile_pass_overhead_s": pytest.approx(5e-4)
+    }
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:
@@ -264,8 +300,10 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert len(burst) == 16
     loop = json.loads((out / "calibration" / "calibration.json").read_text())
     gaps = pass_gaps(pd.read_parquet(out / "calibration" / "steps.parquet"))
-    assert loop["pass_overhead_s"] == max(0.0, float(gaps.median())) and loop["gaps"] == len(gaps)
-    assert replayed["cost"]["profile_pass_overhead_s"] == loop["pass_overhead_s"]
+    # on the CPU passes have no device time: the gap only, the profile's host_s (0) kept
+    assert loop == {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
+    assert replayed["cost"]["profile_pass_overhead_s"] == loop["profile_pass_overhead_s"]
+    assert replayed["cost"]["profile_host_s"] is None
     assert (
         json.loads((out / "sim-roofline" / "disagg-60rps" / "experiment.json").read_text())["cost"][
             "profile_pass_overhead_s"

@@ -9,13 +9,12 @@ Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: 
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
 prefilling sequence), duration_s, host_s.
 
-duration_s is the device's time per step with steps issued back to back (`time_it`: CUDA
-events; the host prepares the next step while the device runs this one). A serving loop runs
-one step at a time: it builds and plans the batch, launches it, samples the tokens and waits
-for them, so each of its passes also pays the host work the device does not overlap. host_s
-is that: on a GPU, the `reduce` of the wall time of a whole `Runner.step(..., sample=True)`
-and its final device sync, one step at a time, minus duration_s (at least 0). On the CPU the
-step is host work throughout and duration_s is already its wall time, so host_s is 0 there.
+Each step runs as a serving loop runs it, one at a time: `Runner.step(..., sample=True)` and
+its final sync, timed by wall clock. duration_s is its device time as a server records it
+(`Runner.device_s`: CUDA events around the forward, after the inputs are staged), host_s the
+rest of its wall time (building and planning the batch, staging, sampling), each the `reduce`
+of its repeats. So a profile's passes and a hw run's steps table split a pass alike. On the
+CPU the step is host work throughout: duration_s is its wall time and host_s is 0.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -31,7 +29,7 @@ import torch
 
 from disagg.core.kvcache import Layout, pages_for
 from disagg.hw.batch import Seq
-from disagg.hw.device import resolve_device, time_it
+from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
 from disagg.hw.runner import Runner
 from disagg.models import ModelSpec
@@ -61,17 +59,23 @@ def _time_step(
     reduce: Callable[[list[float]], float],
 ) -> tuple[float, float]:
     """(duration_s, host_s) of a step of `seqs` (see the module doc)."""
-    device_s = reduce(time_it(partial(runner.step, seqs), device, warmup=warmup, repeats=repeats))
-    if device.type != "cuda":
-        return device_s, 0.0
-    walls = []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
+    walls, devices = [], []
+    for i in range(warmup + repeats):
+        sync(device)
         t0 = time.perf_counter()
         runner.step(seqs, sample=True)
+        sync(device)
+        if i >= warmup:
+            walls.append(time.perf_counter() - t0)
+            devices.append(runner.device_s())
+    if device.type != "cuda":
+        return reduce(walls), 0.0
+    return reduce(devices), max(reduce([w - d for w, d in zip(walls, devices, strict=True)]), 0.0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-        walls.append(time.perf_counter() - t0)
-    return device_s, max(reduce(walls) - device_s, 0.0)
 
 
 def profile(

@@ -245,11 +245,22 @@ class ProfileCost:
     without mixed rows: the larger of the prefill and decode medians), not a curve: that work
     barely depends on the shape, and host_s is a difference of two timings (wall minus
     device), noisy point by point, so a curve through it would add noise to every pass and
-    bend what extrapolation extends. On top of that, `pass_overhead_s` (default 0): a fixed
-    cost per pass for the serving loop's work outside the profiled step.
+    bend what extrapolation extends. `run_host` (s per decode pass, s per pass with a prompt
+    chunk, s per sequence), measured on a serving run (`disagg validate` does), replaces those
+    medians: a pass then costs its kind's fixed part + per-sequence x its sequences (decodes,
+    plus one for a prompt chunk) of host time, which grows with the batch as a server's
+    bookkeeping does. On top of that,
+    `pass_overhead_s` (default 0): a fixed cost per pass for the serving loop's time between
+    passes.
     """
 
-    def __init__(self, path: Path, decode_qo: int = 1, pass_overhead_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        decode_qo: int = 1,
+        pass_overhead_s: float = 0.0,
+        run_host: tuple[float, float, float] | None = None,
+    ) -> None:
         import pandas as pd
 
         try:
@@ -293,6 +304,9 @@ class ProfileCost:
             by_kind.get("mixed", max(self.prefill_host_s, self.decode_host_s))
         )
         self.pass_overhead_s = pass_overhead_s
+        if run_host is not None and not all(0 <= v < np.inf for v in run_host):
+            raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
+        self.run_host = run_host
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         contexts = sorted({c for c, _ in self.prefill.index})
@@ -307,7 +321,16 @@ class ProfileCost:
         """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
         (its host time and `pass_overhead_s` are in a)."""
         a, b = self._device_line(seqs)
-        return a + self.decode_host_s + self.pass_overhead_s, b
+        return a + self._host("decode", seqs) + self.pass_overhead_s, b
+
+    def _host(self, kind: str, seqs: int) -> float:
+        """Host time of a pass of `kind` with `seqs` sequences."""
+        if self.run_host is not None:
+            decode, chunk, per_seq = self.run_host
+            return (decode if kind == "decode" else chunk) + per_seq * seqs
+        return {"prefill": self.prefill_host_s, "decode": self.decode_host_s}.get(
+            kind, self.mixed_host_s
+        )
 
     def _device_line(self, seqs: int) -> tuple[float, float]:
         line = self._lines.get(seqs)
@@ -350,12 +373,13 @@ class ProfileCost:
             t += self._prefill_time(n, context)
         if s.decode_seqs:
             t += self._decode_time(s.decode_seqs, s.decode_context)
+        seqs = s.decode_seqs + (s.prefill_tokens > 0)
         if s.prefill_tokens and s.decode_seqs:
-            t = max(t + self.mixed_offset_s, 0.0) + self.mixed_host_s
+            t = max(t + self.mixed_offset_s, 0.0) + self._host("mixed", seqs)
         elif s.prefill_tokens:
-            t += self.prefill_host_s
+            t += self._host("prefill", seqs)
         elif s.decode_seqs:
-            t += self.decode_host_s
+            t += self._host("decode", seqs)
         else:
             return 0.0  # no pass
         return t + self.pass_overhead_s
@@ -382,7 +406,13 @@ def make_cost_model(exp: Experiment, group: GroupConfig) -> CostModel:
     if exp.cost.source.startswith("profile:"):
         path = Path(exp.cost.source.removeprefix("profile:"))
         path = path if path.is_absolute() else Path(exp.base_dir) / path
-        return ProfileCost(path, qo, exp.cost.profile_pass_overhead_s)
+        c = exp.cost
+        run_host = (
+            None
+            if c.profile_host_s is None
+            else (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
+        )
+        return ProfileCost(path, qo, c.profile_pass_overhead_s, run_host)
     return RooflineCost(
         exp.model.spec,
         exp.hardware.gpu_spec,
