@@ -140,7 +140,9 @@ def experts_grouped(
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # no host sync
+    ends = torch.cumsum(counts, 0).to(torch.int32)
     rows = x[order // k]
     gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
