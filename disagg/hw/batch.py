@@ -3,7 +3,9 @@
 A step is a list of `Seq`: each carries the new token ids of one request (a prefill chunk or
 one decode token), how many of its tokens are already cached, and the request's page ids. From
 them `BatchMeta` derives FlashInfer's paged index arrays (host lists, planned once per step)
-and `StepTensors` the per-token device tensors the model reads.
+and `StepTensors` the per-token device tensors the model reads. Under DP attention a `Seq` also
+names the attention group that holds its request, and `GroupRows` is the part of a step that
+one group attends.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ class Seq:
     start: tokens of this request already in the cache.
     pages: the request's page ids in order; must cover start + len(tokens) tokens.
     hidden_at: index into `tokens` whose final hidden state to return (None: the last).
+    dp_rank: the DP attention group whose KV cache holds the request (0 without DP).
     """
 
     tokens: tuple[int, ...]
     start: int
     pages: tuple[int, ...]
     hidden_at: int | None = None
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -41,13 +45,23 @@ class Seq:
             self.tokens
         ):
             raise ConfigError(f"hidden_at={self.hidden_at} outside {len(self.tokens)} new tokens")
+        if self.dp_rank < 0:
+            raise ConfigError(f"Seq.dp_rank must be >= 0, got {self.dp_rank}")
 
     @staticmethod
     def of(
-        tokens: Sequence[int], start: int, pages: Sequence[int], hidden_at: int | None = None
+        tokens: Sequence[int],
+        start: int,
+        pages: Sequence[int],
+        hidden_at: int | None = None,
+        dp_rank: int = 0,
     ) -> Seq:
         return Seq(
-            tuple(int(t) for t in tokens), int(start), tuple(int(p) for p in pages), hidden_at
+            tuple(int(t) for t in tokens),
+            int(start),
+            tuple(int(p) for p in pages),
+            hidden_at,
+            int(dp_rank),
         )
 
     @property
@@ -156,3 +170,34 @@ class StepTensors:
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         return StepTensors.unpack(packed, len(seqs))
+
+
+@dataclass
+class GroupRows:
+    """The part of a step that one DP attention group attends (its requests' sequences).
+
+    seqs: those sequences, in step order; rows [t] int64: their new tokens' rows in the step;
+    x: their own StepTensors (None when the step has none of them).
+    """
+
+    seqs: list[Seq]
+    rows: torch.Tensor
+    x: StepTensors | None
+
+    @staticmethod
+    def of(
+        seqs: Sequence[Seq], dp_rank: int, dp: int, page_size: int, device: torch.device
+    ) -> GroupRows:
+        """Group `dp_rank`'s part of the step `seqs`; ConfigError for a Seq of no group of `dp`."""
+        rows: list[int] = []
+        mine: list[Seq] = []
+        at = 0
+        for s in seqs:
+            if s.dp_rank >= dp:
+                raise ConfigError(f"Seq.dp_rank={s.dp_rank} outside the node's {dp} DP groups")
+            if s.dp_rank == dp_rank:
+                mine.append(s)
+                rows.extend(range(at, at + len(s.tokens)))
+            at += len(s.tokens)
+        x = StepTensors.build(mine, page_size, device) if mine else None
+        return GroupRows(mine, torch.tensor(rows, dtype=torch.int64, device=device), x)

@@ -14,10 +14,11 @@ from disagg.core import messenger as m
 from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole
+from disagg.core.sharding import TransferPlan
 from disagg.errors import ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
-from disagg.hw.node import Server, transfer_plan
+from disagg.hw.node import Server, dp_rank, transfer_plan
 from disagg.hw.protocol import Finished, NodeConfig, NodeUp, Submit, unpack_imm
 
 
@@ -75,7 +76,9 @@ class DecodeServer(GeneratingServer):
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
         exp, group = self.exp, self.exp.cluster.decode
-        self.plan = transfer_plan(exp, self.cache.layers[0].element_size())
+        # by (prefill DP group, decode DP group); (0, 0) the only one without DP attention
+        self.plans: dict[tuple[int, int], TransferPlan] = {}
+        self.plan = self.pair_plan(0, 0)  # groups 0 to 0: the only plan without DP
         # the hw model drafts no tokens: one per step
         self.role = DecodeRole(cfg.index, self, self.pool, group, exp.transfer, self.expected)
         self.runner.capture_up_to(group.max_batch)
@@ -94,8 +97,20 @@ class DecodeServer(GeneratingServer):
             return 200e-6  # KV on its way over a wire without a wake-up fd: poll it often
         return super().idle_wait_s()
 
+    def plan_of(self, req_id: int) -> TransferPlan:
+        """The transfer plan of request `req_id`: from its group at the prefill node to its
+        group here."""
+        return self.pair_plan(dp_rank(self.exp, "prefill", req_id), self.group(req_id))
+
+    def pair_plan(self, src_dp: int, dst_dp: int) -> TransferPlan:
+        key = (src_dp, dst_dp)
+        if key not in self.plans:
+            self.plans[key] = transfer_plan(self.exp, self.cache.layers[0].element_size(), *key)
+        return self.plans[key]
+
     def expected(self, req: Request, prefill_node: int, pages: int) -> dict[int, int]:
-        return self.plan.expected_immediates(pages, self.layers, metadata=True)
+        """Immediates each rank of the request's group counts (its leader's: + the metadata)."""
+        return self.plan_of(req.id).expected_immediates(pages, self.layers, metadata=True)
 
     def on_message(self, msg: Any) -> None:
         if isinstance(msg, Submit):
@@ -169,7 +184,8 @@ class DecodeServer(GeneratingServer):
         """`r`'s next decode pass: its last token (the prompt's, first) at its last position."""
         out = self.outputs[r.id]
         last = out[-1] if out else r.prompt[-1]
-        return Seq.of([last], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id))
+        start = r.prompt_tokens - 1 + len(out)
+        return Seq.of([last], start, self.pool.pages_of(r.id), dp_rank=self.group(r.id))
 
     def step(self) -> bool:
         batch = self.role.next_batch()
@@ -221,12 +237,14 @@ class ColocatedServer(GeneratingServer):
                 c.start,
                 self.pool.pages_of(c.req.id),
                 hidden_at=-2 if c.tokens > 1 else None,
+                dp_rank=self.group(c.req.id),
             )
             for c in batch.chunks
         ]
         for r in batch.decodes:
-            out = self.outputs[r.id]
-            seqs.append(Seq.of([out[-1]], r.prompt_tokens - 1 + len(out), self.pool.pages_of(r.id)))
+            out, pages = self.outputs[r.id], self.pool.pages_of(r.id)
+            at = r.prompt_tokens - 1 + len(out)
+            seqs.append(Seq.of([out[-1]], at, pages, dp_rank=self.group(r.id)))
         res = self.runner.step(seqs, sample=True)
         assert res.tokens is not None
         for i, c in enumerate(batch.chunks):

@@ -1,7 +1,7 @@
 """`disagg hw run`: start the servers, replay the workload in real time, collect the tables.
 
 The driver spawns one process per server (`cluster.<role>.nodes` per role; one per rank of a
-node of tp > 1: disagg.hw.ranks), or waits for servers started elsewhere with `disagg hw
+node of tp x dp > 1: disagg.hw.ranks), or waits for servers started elsewhere with `disagg hw
 serve`, introduces every prefill node to every decode node, replays the experiment's arrivals
 against the wall clock, each to the node the experiment's router picks (as the simulator's
 does), and gathers what each request finished with. It writes the same requests, steps and
@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch.distributed as dist
 
-from disagg.config import Experiment
+from disagg.config import Experiment, GroupConfig
 from disagg.core.metrics import (
     Recorder,
     host_share,
@@ -57,7 +58,9 @@ from disagg.faults import (
 from disagg.hw.attention import parse_attention
 from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
+from disagg.hw.model import rank_cuts
 from disagg.hw.protocol import (
+    MAX_RANKS,
     Finished,
     Inject,
     NodeConfig,
@@ -71,6 +74,7 @@ from disagg.hw.protocol import (
 )
 from disagg.hw.ranks import LOST_GROUP, follow
 from disagg.hw.serve import serve
+from disagg.hw.tp import TensorParallel
 from disagg.settings import HW_PAGES
 from disagg.trace import write_trace
 
@@ -156,24 +160,56 @@ def fault_actions(exp: Experiment, external: tuple[str, ...]) -> list[tuple[floa
     return sorted(actions, key=lambda a: a[0])
 
 
+def ranks_label(role: str, g: GroupConfig) -> str:
+    """A node's ranks as the experiment sets them: 'cluster.decode.tp=2', or
+    'cluster.decode: tp=1 x dp=2'."""
+    return f"cluster.{role}: tp={g.tp} x dp={g.dp}" if g.dp > 1 else f"cluster.{role}.tp={g.tp}"
+
+
 def check_hw_experiment(exp: Experiment) -> None:
     """ConfigError unless the hw backend can run every node of the experiment: any number of
-    nodes per role, each of one attention group (dp 1); a node of tp > 1 (its ranks one
-    process each, disagg.hw.ranks) only on the CPU over the tcp wire, for now."""
+    nodes per role; a node of several ranks (tp x dp, one process each, disagg.hw.ranks; dp
+    attention groups for MLA models) only on the CPU over the tcp wire, for now, and only
+    where its ranks split every weight of the model. Checked before any process starts."""
+    spec = exp.model.spec
     for role, g in exp.cluster.groups.items():
-        if g.dp != 1:
-            raise ConfigError(
-                f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but a hardware node "
-                f"is one attention group: --set cluster.{role}.dp=1 (and model.layers=N to "
-                "fit a big model)"
-            )
         device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
-        if g.tp > 1 and (device != "cpu" or exp.hw.wire != "tcp"):
+        ranks = ranks_label(role, g)
+        if g.dp > 1 and spec.attention != "mla":
             raise ConfigError(
-                f"cluster.{role}.tp={g.tp}: a node of several ranks runs on the CPU over the "
-                f"tcp wire only, not on {device} over the {exp.hw.wire} wire: --set "
-                f"cluster.{role}.tp=1, or hw.wire=tcp with the {role} device cpu"
+                f"cluster.{role} has nodes={g.nodes} tp={g.tp} dp={g.dp}, but DP attention "
+                f"runs MLA models only, and {spec.name} is {spec.attention}: --set "
+                f"cluster.{role}.dp=1"
             )
+        if g.gpus_per_node == 1:
+            continue
+        if device != "cpu":
+            if not dist.is_nccl_available():
+                raise ConfigError(
+                    f"{ranks} on {device} needs NCCL, and this torch build has none "
+                    "(torch.distributed.is_nccl_available() is False): install a CUDA build "
+                    f"of torch, or --set cluster.{role}.tp=1 cluster.{role}.dp=1"
+                )
+            raise ConfigError(
+                f"{ranks} on {device}: a node of several ranks runs on the CPU only (its ranks "
+                "share their KV pages through host memory, which GPU pages are not): --set "
+                f"cluster.{role}.tp=1 cluster.{role}.dp=1, or the {role} device cpu"
+            )
+        if exp.hw.wire != "tcp":
+            raise ConfigError(
+                f"{ranks}: a node of several ranks runs over the tcp wire only, not the "
+                f"{exp.hw.wire} wire: --set hw.wire=tcp, or cluster.{role}.tp=1 "
+                f"cluster.{role}.dp=1"
+            )
+        if g.gpus_per_node > MAX_RANKS:
+            raise ConfigError(
+                f"{ranks}: an immediate names at most {MAX_RANKS} ranks of a node, not "
+                f"{g.gpus_per_node}"
+            )
+        try:
+            rank_cuts(spec, TensorParallel(0, g.gpus_per_node, dp=g.dp))
+        except ConfigError as e:
+            raise ConfigError(f"cluster.{role}: {e}") from None
 
 
 class Driver:
@@ -187,10 +223,10 @@ class Driver:
         parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
         for name, g in exp.cluster.groups.items():
-            if g.tp > 1 and any(e.startswith(name) for e in external):
+            if g.gpus_per_node > 1 and any(e.startswith(name) for e in external):
                 raise ConfigError(
-                    f"cluster.{name}.tp={g.tp}: a node of several ranks is started by "
-                    "`disagg hw run` itself, not elsewhere (disagg hw serve runs tp=1)"
+                    f"{ranks_label(name, g)}: a node of several ranks is started by `disagg hw "
+                    "run` itself, not elsewhere (disagg hw serve runs tp=1, dp=1)"
                 )
         self.exp, self.hw, self.external = exp, exp.hw, external
         self.control = Control(
@@ -233,7 +269,7 @@ class Driver:
         for cfg in self.configs:
             if cfg.name in self.external:
                 continue
-            for rank in range(cfg.tp):  # rank 0, the leader, is the server (disagg.hw.ranks)
+            for rank in range(cfg.ranks):  # rank 0, the leader, is the server (disagg.hw.ranks)
                 target, args = (serve, (cfg,)) if rank == 0 else (follow, (cfg, rank))
                 name = cfg.rank_name(rank)
                 proc = ctx.Process(target=target, args=args, name=name, daemon=True)
@@ -252,7 +288,7 @@ class Driver:
     def with_tp_dir(self, cfg: NodeConfig) -> NodeConfig:
         """`cfg` with a directory of its own for its ranks to share, if it has several (in
         shared memory where the host has it; removed by `stop`)."""
-        if cfg.tp == 1:
+        if cfg.ranks == 1:
             return cfg
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         tp_dir = tempfile.mkdtemp(prefix=f"disagg-{cfg.name}-", dir=shm)

@@ -19,6 +19,16 @@ With `tp` (disagg.hw.tp) the model is one rank of a tensor-parallel group: it dr
 full tensors and keeps its shard (query heads, its KV heads, its share of every MLP width, its
 vocab rows), all-reduces after each row-parallel projection and all-gathers the logits
 (docs/architecture.md, "Tensor parallelism in the hw model").
+
+With DP attention (`tp.dp` > 1) the ranks form `dp` attention groups, each holding whole
+requests in its own KV cache (the MLA latent replicated on the group's ranks). Every rank holds
+every token's hidden state, as under TP; a rank attends only its group's sequences (`GroupRows`)
+with its share of the group's heads, and its attention output is zero on the other groups'
+rows, so the one all-reduce after `wo`, over the whole node, both completes each group's
+attention and hands every rank every token for the MLP or experts, which are cut over all the
+node's ranks (SGLang gathers the groups' tokens before the MLP and scatters them after; the sum
+with zeros moves the same hidden states in one collective). The step's sequences must name
+their group (`Seq.dp_rank`).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch.nn.functional as F
 
 from disagg.core.kvcache import Layout
 from disagg.hw.attention import Attention, AttnShape, TorchAttention
-from disagg.hw.batch import BatchMeta, Seq, StepTensors
+from disagg.hw.batch import BatchMeta, GroupRows, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import check_fits, default_dtype, resolve_device
 from disagg.hw.moe import MoE
@@ -206,8 +216,8 @@ class Transformer:
         self.dtype = dtype or default_dtype(self.device)
         self.mla = spec.attention == "mla"
         self.rope_dim = spec.qk_rope_dim if self.mla else spec.head_dim
-        self.cuts = self._cuts()
-        size = 1 if tp is None else tp.size
+        self.cuts = {} if tp is None else rank_cuts(spec, tp)
+        size = 1 if tp is None else tp.attention.size
         self.heads = spec.heads // size  # query heads of this rank
         self.kv_heads = spec.kv_heads if tp is None else len(tp.kv_heads(spec))  # (GQA)
         check_fits(self.device, self.weight_bytes(), f"{spec.name} weights ({spec.layers} layers)")
@@ -223,21 +233,6 @@ class Transformer:
         self.inv_freq = inv_freq(self.rope_dim, self.device)
 
     # ---- weights ---------------------------------------------------------------------------
-    def _cuts(self) -> dict[str, Cut]:
-        """What this rank keeps of each attention, dense-MLP and lm_head weight (and of the MoE
-        weights, as `moe.*`); empty without tp. ConfigError if tp does not split the model."""
-        tp, s = self.tp, self.spec
-        if tp is None:
-            return {}
-        cuts = attention_cuts(s, tp)
-        if s.layers > s.moe_layers:
-            cuts["w_gate_up"], cuts["w_down"] = swiglu_cuts(
-                s.intermediate, tp, f"{s.name}'s MLP width (intermediate)"
-            )
-        if s.is_moe:
-            cuts |= {f"moe.{k}": v for k, v in MoE.cuts(s, tp).items()}
-        return cuts | {"lm_head": lm_head_cut(s, tp)}
-
     def _attn_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
         if not self.mla:
@@ -310,7 +305,7 @@ class Transformer:
     # ---- forward ---------------------------------------------------------------------------
     def new_cache(self, num_pages: int, page_size: int = 16, layout: Layout = "HND") -> KVCache:
         """This rank's KV pool: its KV heads (GQA) or the whole latent (MLA)."""
-        tp = 1 if self.tp is None else self.tp.size
+        tp = 1 if self.tp is None else self.tp.attention.size
         return KVCache.allocate(
             self.spec, num_pages, page_size, self.device, self.dtype, layout, tp=tp
         )
@@ -326,9 +321,19 @@ class Transformer:
         """Append the batch's new tokens to `cache` and return last-token logits (eager)."""
         meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
         attn = attention or TorchAttention(self.attn_shape(cache.page_size, cache.layout.layout))
-        attn.plan(meta)
+        group = self.group_rows(batch, cache.page_size)
+        if group is None:
+            attn.plan(meta)
+        elif group.seqs:
+            attn.plan(BatchMeta.of(group.seqs, cache.page_size, cache.num_pages))
         x = StepTensors.build(batch, cache.page_size, self.device)
-        return self.forward_tensors(x, cache, attn)
+        return self.forward_tensors(x, cache, attn, group=group)
+
+    def group_rows(self, batch: Sequence[Seq], page_size: int) -> GroupRows | None:
+        """This rank's attention group's part of `batch` under DP attention (None without)."""
+        if self.tp is None or self.tp.dp == 1:
+            return None
+        return GroupRows.of(batch, self.tp.dp_rank, self.tp.dp, page_size, self.device)
 
     @torch.inference_mode()
     def forward_tensors(
@@ -337,22 +342,28 @@ class Transformer:
         cache: KVCache,
         attn: Attention,
         on_layer: Callable[[], None] | None = None,
+        group: GroupRows | None = None,
     ) -> ForwardOut:
         """The step on device tensors only (CUDA-graph capturable with a graph-mode `attn`).
 
-        `on_layer` is called after each layer's attention output projection.
+        `on_layer` is called after each layer's attention output projection. `group`: under DP
+        attention, the rows this rank attends (`attn` planned for `group.seqs`); None: all.
         """
         ops = self.ops()
         h = self.embed[x.input_ids]
         cos, sin = rope_tables(x.positions, self.inv_freq, self.dtype)
         for i, layer in enumerate(self.layers):
             a = ops.norm(h, layer["ln1"])
-            o = (
-                self._mla(layer, a, cos, sin, x, cache, i, attn)
-                if self.mla
-                else self._gqa(layer, a, (cos, sin), x, cache, i, attn, ops)
-            )
-            h = self._row_parallel(h, o, layer["wo"])
+            if group is None:
+                o = self._attend(layer, a, (cos, sin), x, cache, i, attn, ops)
+                h = self._row_parallel(h, o, layer["wo"])
+            else:  # this group's rows; zero on the others': the all-reduce brings theirs
+                part = torch.zeros_like(h)
+                if group.x is not None:
+                    r = group.rows
+                    o = self._attend(layer, a[r], (cos[r], sin[r]), group.x, cache, i, attn, ops)
+                    part[r] = F.linear(o, layer["wo"])
+                h = h + self._reduce(part)
             if on_layer is not None:
                 on_layer()
             m = ops.norm(h, layer["ln2"])
@@ -366,6 +377,22 @@ class Transformer:
         if self.tp is not None:
             logits = self.tp.all_gather(logits)
         return ForwardOut(logits, h[x.hidden_rows])
+
+    def _attend(
+        self,
+        layer: dict[str, torch.Tensor],
+        a: torch.Tensor,
+        tables: Tables,
+        x: StepTensors,
+        cache: KVCache,
+        i: int,
+        attn: Attention,
+        ops: TorchOps,
+    ) -> torch.Tensor:
+        """Layer `i`'s attention of the tokens `a` (rows of `x`), before `wo`."""
+        if self.mla:
+            return self._mla(layer, a, *tables, x, cache, i, attn)
+        return self._gqa(layer, a, tables, x, cache, i, attn, ops)
 
     def _row_parallel(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h + x @ w.T, the product summed over the tp group (w holds this rank's columns)."""
@@ -431,3 +458,17 @@ class Transformer:
         q_abs = torch.einsum("thn,hnc->thc", q_nope, layer["w_uk"]).contiguous()
         o = attn.run(cache.layers[i], q_abs, q_pe.contiguous())
         return torch.einsum("thc,hvc->thv", o, layer["w_uv"]).reshape(t, -1)
+
+
+def rank_cuts(spec: ModelSpec, tp: TensorParallel) -> dict[str, Cut]:
+    """What rank `tp.rank` keeps of each attention, dense-MLP and lm_head weight (and of the MoE
+    weights, as `moe.*`): attention within its attention group, the rest over the whole group.
+    ConfigError naming the width that `tp` does not divide (no weight is drawn)."""
+    cuts = attention_cuts(spec, tp)
+    if spec.layers > spec.moe_layers:
+        cuts["w_gate_up"], cuts["w_down"] = swiglu_cuts(
+            spec.intermediate, tp, f"{spec.name}'s MLP width (intermediate)"
+        )
+    if spec.is_moe:
+        cuts |= {f"moe.{k}": v for k, v in MoE.cuts(spec, tp).items()}
+    return cuts | {"lm_head": lm_head_cut(spec, tp)}

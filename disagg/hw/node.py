@@ -3,11 +3,12 @@ This module holds what they share (the `Server` loop); each server is the port o
 `prefill.py` and `decode.py`; the process body is `serve.py`, the messages `protocol.py`.
 
 Each server is one process with one main loop that owns the core objects (they are not
-thread-safe); a node of tp > 1 adds tp - 1 follower processes that only compute, this process
-leading them and moving every rank's pages (`ranks.py`). The only other threads are the layer
-watcher, which turns the GPU layer counter into "layers done" values on a queue, and whatever a
-wire runs inside. A server talks to the driver (`disagg.hw.driver`) and its peers over the
-ZeroMQ control plane, and moves KV pages over a wire (tcp, cuda or verbs):
+thread-safe); a node of tp x dp > 1 ranks adds follower processes that only compute, this
+process leading them and moving every rank's pages (`ranks.py`; DP attention there too). The
+only other threads are the layer watcher, which turns the GPU layer counter into "layers
+done" values on a queue, and whatever a wire runs inside. A server talks to the driver
+(`disagg.hw.driver`) and its peers over the ZeroMQ control plane, and moves KV pages over a
+wire (tcp, cuda or verbs):
 
     driver -> Submit -> decode: reserve pages, PrefillRequest -> prefill
     (handoff "parallel": driver -> Submit -> prefill too, which starts before the pages come)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import sys
 import time
 import traceback
@@ -95,8 +97,8 @@ class Server:
             control.connect("driver", cfg.driver)
         self.control = control
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
-        # a node of tp > 1: this process is its leader, rank 0 (disagg.hw.ranks)
-        self.tp = join_node(cfg, 0, self.hw.start_timeout_s) if cfg.tp > 1 else None
+        # a node of several ranks: this process is its leader, rank 0 (disagg.hw.ranks)
+        self.tp = join_node(cfg, 0, self.hw.start_timeout_s) if cfg.ranks > 1 else None
         self.model = rank_model(cfg, self.exp, self.tp)
         kv = self.exp.kv
         pages = kv.pages or HW_PAGES
@@ -104,7 +106,7 @@ class Server:
         self.rank_caches = (
             [self.model.new_cache(pages, kv.page_size, kv.layout)]
             if self.tp is None
-            else [shared_cache(cfg, self.exp, self.model, r) for r in range(cfg.tp)]
+            else [shared_cache(cfg, self.exp, self.model, r) for r in range(cfg.ranks)]
         )
         self.cache = self.rank_caches[0]
         self.pool = PagePool(pages, kv.page_size, cfg.name)
@@ -343,6 +345,10 @@ class Server:
             return f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab})"
         return ""
 
+    def group(self, req_id: int) -> int:
+        """The DP attention group of this node that holds request `req_id` (`dp_rank`)."""
+        return dp_rank(self.exp, self.kind, req_id)
+
     def on_message(self, msg: Any) -> None:
         raise NotImplementedError
 
@@ -379,17 +385,31 @@ class Server:
             torch.cuda.synchronize(self.model.device)
 
 
-def transfer_plan(exp: Experiment, elem_bytes: int) -> TransferPlan:
-    """The writes of one page of one layer from the prefill node's ranks to the decode node's
-    (`cluster.<role>.tp` each; both sides plan alike, from the experiment's seed). One rank on
-    each side: one write per page per layer."""
+def dp_rank(exp: Experiment, role: str, req_id: int) -> int:
+    """The DP attention group of a `role` node that holds request `req_id`: drawn at random,
+    as the simulator and the transfer planner assume, from a generator seeded by the run's seed,
+    the role and the request, so that the prefill and decode nodes draw alike without a message
+    (the core's PrefillRequest names no group). 0 for a node of one group."""
+    dp = exp.cluster.groups[role].dp
+    return 0 if dp == 1 else random.Random(f"{exp.seed}/{role}/{req_id}").randrange(dp)
+
+
+def transfer_plan(
+    exp: Experiment, elem_bytes: int, src_dp_rank: int = 0, dst_dp_rank: int = 0
+) -> TransferPlan:
+    """The writes of one page of one layer from attention group `src_dp_rank` of the prefill
+    node to group `dst_dp_rank` of the decode node (`cluster.<role>.tp` x `.dp` ranks each,
+    numbered as the planner numbers them; both sides plan alike, from the experiment's seed).
+    One rank on each side: one write per page per layer."""
     spec, cluster = exp.model.spec, exp.cluster
     dtype = {4: "fp32", 2: "bf16", 1: "fp8"}[elem_bytes]
     return plan_transfer(
-        shard_layout(spec, cluster.prefill.tp),
-        shard_layout(spec, cluster.decode.tp),
+        shard_layout(spec, cluster.prefill.tp, cluster.prefill.dp),
+        shard_layout(spec, cluster.decode.tp, cluster.decode.dp),
         exp.kv.page_size,
         exp.kv.layout,
         dtype,
         exp.seed,
+        src_dp_rank=src_dp_rank,
+        dst_dp_rank=dst_dp_rank,
     )

@@ -14,15 +14,17 @@ import torch
 from disagg.core import messenger as m
 from disagg.core.request import Request
 from disagg.core.roles import PrefillRole
-from disagg.core.sharding import Segment
+from disagg.core.sharding import Segment, TransferPlan
 from disagg.errors import DisaggError, ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
-from disagg.hw.node import Server, transfer_plan
+from disagg.hw.node import Server, dp_rank, transfer_plan
 from disagg.hw.protocol import META_SLOTS, NodeConfig, Submit, pack_imm
 from disagg.hw.ranks import region
 from disagg.hw.runner import LayerWatcher
 from disagg.hw.transport.base import Descriptor, Unit, Write, WriteArray, total_bytes
+
+Pair = tuple[int, int]  # (source rank, destination rank)
 
 
 class _PassDone:
@@ -46,11 +48,10 @@ class PrefillServer(Server):
         self.role = PrefillRole(
             cfg.index, self, self.pool, exp.cluster.prefill, exp.transfer, self.layers
         )
-        self.plan = transfer_plan(exp, self.cache.layers[0].element_size())
-        # the plan's segments of one page of one layer, by (source rank, destination rank)
-        self.pair_segments: dict[tuple[int, int], list[Segment]] = {}
-        for g in self.plan.segments:
-            self.pair_segments.setdefault((g.src_rank, g.dst_rank), []).append(g)
+        # by (prefill DP group, decode DP group): the plan, and its segments of one page of
+        # one layer by (source rank, destination rank)
+        self.plans: dict[tuple[int, int], tuple[TransferPlan, dict[Pair, list[Segment]]]] = {}
+        self.plan = self.pair_plan(0, 0)[0]  # groups 0 to 0: the only plan without DP
         # this side's metadata rows, one per prefilled request until its posts complete (the
         # decoder's slot may not be known yet when the hidden state is computed)
         self.rows: dict[int, int] = {}
@@ -108,17 +109,33 @@ class PrefillServer(Server):
         for req_id in [r for r in self.rows if r not in outbound]:
             self.free_rows.append(self.rows.pop(req_id))
 
+    def plan_of(self, req_id: int) -> tuple[TransferPlan, dict[Pair, list[Segment]]]:
+        """The transfer plan of request `req_id` (from its group here to its group at the
+        decode node), and its segments by rank pair."""
+        return self.pair_plan(self.group(req_id), dp_rank(self.exp, "decode", req_id))
+
+    def pair_plan(self, src_dp: int, dst_dp: int) -> tuple[TransferPlan, dict[Pair, list[Segment]]]:
+        key = (src_dp, dst_dp)
+        if key not in self.plans:
+            plan = transfer_plan(self.exp, self.cache.layers[0].element_size(), *key)
+            pairs: dict[Pair, list[Segment]] = {}
+            for g in plan.segments:
+                pairs.setdefault((g.src_rank, g.dst_rank), []).append(g)
+            self.plans[key] = plan, pairs
+        return self.plans[key]
+
     def page_units(self, cmd: m.PostWrites) -> list[Unit]:
-        """Per layer, one unit per (source rank, destination rank) pair of the plan: every
-        page's writes as arrays, then one immediate for the destination rank that counts the
-        post's complete pages (pages cut by the chunk are written but not counted; the chunk
-        that completes them writes them again and counts them)."""
+        """Per layer, one unit per (source rank, destination rank) pair of the request's plan:
+        every page's writes as arrays, then one immediate for the destination rank that counts
+        the post's complete pages (pages cut by the chunk are written but not counted; the
+        chunk that completes them writes them again and counts them)."""
         src = np.asarray(cmd.src_pages, dtype=np.int64)[:, None]
         dst = np.asarray(cmd.dst_pages, dtype=np.int64)[:, None]
+        plan, pair_segments = self.plan_of(cmd.req_id)
         pairs = []
-        for (s, d), segs in self.pair_segments.items():
-            src_off = (src * self.plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
-            dst_off = (dst * self.plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
+        for (s, d), segs in pair_segments.items():
+            src_off = (src * plan.src_page_bytes + [g.src_offset for g in segs]).ravel()
+            dst_off = (dst * plan.dst_page_bytes + [g.dst_offset for g in segs]).ravel()
             nbytes = np.tile([g.nbytes for g in segs], len(cmd.src_pages))
             imm = pack_imm(cmd.slot, cmd.imm_pages, d) if cmd.imm_pages else None
             pairs.append((s, d, src_off, dst_off, nbytes, imm))
@@ -129,12 +146,15 @@ class PrefillServer(Server):
         ]
 
     def meta_unit(self, cmd: m.PostMetadata) -> Unit:
-        """This side's row of the request's hidden state -> the decoder's row of its slot."""
+        """This side's row of the request's hidden state -> the decoder's row of its slot (in
+        the decode node's one metadata buffer, its leader's, which reads it); the immediate
+        counts at the plan's decode group leader, as the planner says."""
         if cmd.slot >= META_SLOTS:
             raise DisaggError(f"metadata slot {cmd.slot} >= {META_SLOTS} rows")
         row = self.meta.shape[1] * 4
         src, dst = self.rows[cmd.req_id] * row, cmd.slot * row
-        return Unit([Write("meta", src, "meta", dst, row)], pack_imm(cmd.slot, 1))
+        leader = self.plan_of(cmd.req_id)[0].dst_leader
+        return Unit([Write("meta", src, "meta", dst, row)], pack_imm(cmd.slot, 1, leader))
 
     def meta_row(self, req_id: int) -> int:
         if not self.free_rows:
@@ -179,7 +199,10 @@ class PrefillServer(Server):
             return False
         seqs = [
             Seq.of(
-                c.req.prompt[c.start : c.start + c.tokens], c.start, self.pool.pages_of(c.req.id)
+                c.req.prompt[c.start : c.start + c.tokens],
+                c.start,
+                self.pool.pages_of(c.req.id),
+                dp_rank=self.group(c.req.id),
             )
             for c in batch.chunks
         ]

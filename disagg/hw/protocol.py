@@ -153,8 +153,8 @@ class NodeConfig:
     # the control plane's shared secret from the driver that spawns this server (None: this
     # server finds its own, disagg.hw.auth.control_secret); it crosses the spawn, nothing else
     secret: bytes | None = field(default=None, repr=False)
-    # a node of tp > 1: the directory its ranks share (the group's store, each rank's KV
-    # memory); the driver makes it, one per node
+    # a node of several ranks (tp x dp > 1): the directory its ranks share (the group's store,
+    # each rank's KV memory); the driver makes it, one per node
     tp_dir: str = ""
 
     @property
@@ -163,8 +163,18 @@ class NodeConfig:
 
     @property
     def tp(self) -> int:
-        """The node's ranks: `cluster.<role>.tp` of the experiment."""
+        """Ranks per attention group: `cluster.<role>.tp` of the experiment."""
         return int(self.experiment["cluster"][self.role]["tp"])
+
+    @property
+    def dp(self) -> int:
+        """DP attention groups of the node: `cluster.<role>.dp` of the experiment."""
+        return int(self.experiment["cluster"][self.role].get("dp", 1))
+
+    @property
+    def ranks(self) -> int:
+        """The node's processes: tp x dp (rank r is in attention group r // tp)."""
+        return self.tp * self.dp
 
     def rank_name(self, rank: int) -> str:
         """A rank's process name: the node's for its leader (rank 0), `name.r<rank>` else."""

@@ -1,11 +1,20 @@
-"""The ranks of a tensor-parallel node: a leader and tp - 1 followers, one process each.
+"""The ranks of a node of several processes: a leader and its followers, one process each.
 
-A node of `cluster.<role>.tp = N` runs as N processes on one host, all spawned by the driver.
-Rank 0, the leader, is the node's `Server`: control plane, role, scheduler, messenger and the
-node's one wire. Ranks 1..N-1, the followers, only compute. Every rank joins the node's process
-group (gloo on CPU) through a FileStore in the node's directory (`NodeConfig.tp_dir`). Before
-each forward pass the leader broadcasts the pass's sequences; every rank runs the pass on its
-shard of the model (the all-reduces inside keep the ranks in step) and the leader samples.
+A node of `cluster.<role>.tp = T` and `.dp = D` runs as T x D processes on one host, all spawned
+by the driver: D attention groups of T ranks (rank r in group r // T, as the transfer planner
+numbers them). Rank 0, the leader, is the node's `Server`: control plane, role, scheduler,
+messenger and the node's one wire. The others, the followers, only compute. Every rank joins the
+node's process group (gloo on CPU) through a FileStore in the node's directory
+(`NodeConfig.tp_dir`). Before each forward pass the leader broadcasts the pass's sequences;
+every rank runs the pass on its shard of the model (the all-reduces inside keep the ranks in
+step) and the leader samples.
+
+DP attention (D > 1): one scheduler, the leader's, batches the requests of every group; each
+`Seq` names the group that holds its request (`disagg.hw.node.dp_rank`, a seeded draw per
+request that the prefill and decode nodes make alike), each rank attends only its group's
+sequences over its own cache, and the MLP or experts run over all T x D ranks
+(disagg.hw.model). The node's page ids are one pool's: every rank's cache file has room for all
+of them, and a page holds data only in the file of its request's group.
 
 Each rank's KV cache is a file of the node's directory mapped shared (`kv.r<rank>`), so the
 leader maps every rank's pages too: its wire registers them all (`region(layer, rank)`) and
@@ -48,31 +57,53 @@ def device_of(cfg: NodeConfig, exp: Experiment) -> str:
     return exp.hw.prefill_device if cfg.role == "prefill" else exp.hw.decode_device
 
 
+def world(cfg: NodeConfig) -> str:
+    """The node's ranks, in words: '2' (tp=2), or '4 (tp=2 x dp=2)'."""
+    return str(cfg.ranks) if cfg.dp == 1 else f"{cfg.ranks} (tp={cfg.tp} x dp={cfg.dp})"
+
+
 def join_node(cfg: NodeConfig, rank: int, timeout_s: float) -> TensorParallel:
-    """Join the node's group as `rank`; ConfigError naming the ranks that never came if the
-    group does not form within `timeout_s`."""
+    """Join the node's group as `rank`; ConfigError for a rank outside the node's world, and,
+    if the group does not form within `timeout_s`, one naming the ranks that never came and any
+    that came for another world size."""
     if not cfg.tp_dir:
         raise ConfigError(
-            f"cluster.{cfg.role}.tp={cfg.tp} needs the node's ranks started together, "
-            "by `disagg hw run` (a node started alone runs tp=1)"
+            f"cluster.{cfg.role}: tp={cfg.tp} x dp={cfg.dp} needs the node's ranks started "
+            "together, by `disagg hw run` (a node started alone runs tp=1, dp=1)"
         )
+    if not 0 <= rank < cfg.ranks:
+        raise ConfigError(f"rank {rank} is outside {cfg.name}'s world of {world(cfg)} ranks")
     here = Path(cfg.tp_dir)
-    (here / f"came.r{rank}").touch()
+    (here / f"came.r{rank}").write_text(str(cfg.ranks))  # the world size it was started for
     try:
         return join(
-            rank, cfg.tp, str(here / "store"), timeout_s=timeout_s, op_timeout_s=OP_TIMEOUT_S
+            rank,
+            cfg.ranks,
+            str(here / "store"),
+            timeout_s=timeout_s,
+            op_timeout_s=OP_TIMEOUT_S,
+            dp=cfg.dp,
         )
     except ConfigError as err:
-        missing = [r for r in range(cfg.tp) if not (here / f"came.r{r}").exists()]
+        came = {int(p.name[6:]): p.read_text() for p in here.glob("came.r*")}
+        missing = [r for r in range(cfg.ranks) if r not in came]
+        other = {r: w for r, w in sorted(came.items()) if w and w != str(cfg.ranks)}
+        if other:
+            raise ConfigError(
+                f"{cfg.name}'s ranks disagree on its world size: rank {rank} was started for "
+                f"{world(cfg)} ranks, but "
+                + ", ".join(f"rank {r} for {w}" for r, w in other.items())
+            ) from err
         raise ConfigError(
-            f"ranks {missing or 'all'} of {cfg.name}'s {cfg.tp} did not join its group within "
-            f"{timeout_s:g} s (as rank {rank} saw it: {err})"
+            f"ranks {missing or 'all'} of {cfg.name}'s {world(cfg)} did not join its group "
+            f"within {timeout_s:g} s (as rank {rank} saw it: {err})"
         ) from err
 
 
 def shared_cache(cfg: NodeConfig, exp: Experiment, model: Transformer, rank: int) -> KVCache:
     """Rank `rank`'s KV pages, in the node's shared file for it (made zeroed, or mapped if
-    another rank made it): the same pages the rank's `model.new_cache` would allocate."""
+    another rank made it): the same pages the rank's `model.new_cache` would allocate (its
+    share of its attention group's heads, `cluster.<role>.tp`)."""
     kv, spec = exp.kv, exp.model.spec
     pages = kv.pages or HW_PAGES
     elem = torch.empty((), dtype=model.dtype).element_size()

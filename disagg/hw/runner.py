@@ -312,7 +312,8 @@ class Runner:
     def _step(self, batch: Sequence[Seq], sample: bool) -> StepOutput:
         meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
         before = self.steps * self.model.spec.layers
-        graph = self._graph_for(meta)
+        group = self.model.group_rows(batch, self.cache.page_size)  # DP attention: eager
+        graph = self._graph_for(meta) if group is None else None
         ahead, self._ahead = self._ahead, None  # any step uses up a plan made ahead
         if graph is not None:
             if ahead is not None and ahead[0] is graph and ahead[1] == tuple(batch):
@@ -323,11 +324,16 @@ class Runner:
                 out = graph.replay(len(batch))
         else:
             self._wait_staged()
-            self.attn.plan(meta)
+            if group is None:
+                self.attn.plan(meta)
+            elif group.seqs:  # this rank attends its attention group's sequences only
+                self.attn.plan(BatchMeta.of(group.seqs, self.cache.page_size, self.cache.num_pages))
             x = StepTensors.build(batch, self.cache.page_size, self.device)
             self._mark_staged()
             with self._timing():
-                out = self.model.forward_tensors(x, self.cache, self.attn, self.counter.bump)
+                out = self.model.forward_tensors(
+                    x, self.cache, self.attn, self.counter.bump, group=group
+                )
         self.steps += 1
         tokens = out.logits.argmax(-1).tolist() if sample else None
         return StepOutput(out.logits, out.hidden, tokens, before)

@@ -4,6 +4,11 @@ A `TensorParallel` names one rank of a torch.distributed process group (gloo on 
 CUDA) and carries the two collectives the model needs: an all-reduce (sum) after each
 row-parallel projection and an all-gather of the vocab-parallel logits.
 
+With DP attention (`dp` > 1) the group is a node of `dp` attention groups of `size // dp` ranks
+(rank r in group r // (size // dp), as `disagg.core.sharding.ShardLayout` numbers them): the
+attention weights are cut within the rank's attention group (`attention`), every other weight
+(MLP, experts, vocab) over all `size` ranks of the node.
+
 A `Cut` says which part of a full weight a rank keeps: ranges of one dimension, concatenated
 in order (the column-parallel qkv keeps its query rows, then its K rows, then its V rows). The
 model draws every full tensor exactly as at tp 1 and keeps only the cut, so tp N computes the
@@ -30,29 +35,51 @@ class TensorParallel:
 
     `expert_parallel`: an MoE layer's experts are split across the ranks (each keeps whole
     experts) instead of each expert's intermediate width.
+    `dp`: DP attention groups among the `size` ranks (each of `size // dp` ranks).
     """
 
     rank: int
     size: int
     group: dist.ProcessGroup | None = field(default=None, compare=False)
     expert_parallel: bool = False
+    dp: int = 1
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ConfigError(f"tp size={self.size} must be >= 1")
+        if self.dp < 1 or self.size % self.dp:
+            raise ConfigError(f"dp={self.dp} does not split a group of {self.size} ranks")
         if not 0 <= self.rank < self.size:
             raise ConfigError(f"tp rank={self.rank} outside 0..{self.size - 1}")
+
+    def __str__(self) -> str:
+        tp = self.size // self.dp
+        return f"tp={tp}" if self.dp == 1 else f"tp={tp} x dp={self.dp} ({self.size} ranks)"
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's attention group."""
+        return self.rank // (self.size // self.dp)
+
+    @property
+    def attention(self) -> TensorParallel:
+        """This rank's place in its attention group (itself without DP): what the attention
+        weights are cut by. It only names the place: its collectives are the node's."""
+        if self.dp == 1:
+            return self
+        tp = self.size // self.dp
+        return TensorParallel(self.rank % tp, tp, None, self.expert_parallel)
 
     def part(self, n: int, what: str) -> range:
         """This rank's even share of `n` items (`what` names them in the error)."""
         if n % self.size:
-            raise ConfigError(f"tp={self.size} does not divide {what} ({n})")
+            raise ConfigError(f"{self} does not divide {what} ({n})")
         share = n // self.size
         return range(self.rank * share, (self.rank + 1) * share)
 
     def kv_heads(self, spec: ModelSpec) -> range:
         """KV heads this rank holds, as the transfer planner assumes (MLA: the latent, 0)."""
-        return shard_layout(spec, self.size).heads_of(self.rank)
+        return shard_layout(spec, self.size // self.dp, self.dp).heads_of(self.rank)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group, in place; returns `x`."""
@@ -75,9 +102,11 @@ def join(
     timeout_s: float = 60.0,
     expert_parallel: bool = False,
     op_timeout_s: float | None = None,
+    dp: int = 1,
 ) -> TensorParallel:
-    """Join the default process group of `size` ranks through a FileStore at `init_file`
-    (every rank of one host passes the same path); ConfigError naming the rank on a timeout.
+    """Join the default process group of `size` ranks (`dp` attention groups of them) through a
+    FileStore at `init_file` (every rank of one host passes the same path); ConfigError naming
+    the rank on a timeout.
     `op_timeout_s`: how long a collective may wait for the other ranks (`timeout_s` if None;
     if given, the returned `group` is a second group of the same ranks, that patient)."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -88,13 +117,13 @@ def join(
         if op_timeout_s is not None:  # the same ranks, patient (formed at once: all are here)
             ops = datetime.timedelta(seconds=op_timeout_s)
             group = dist.new_group(list(range(size)), timeout=ops)
-            return TensorParallel(rank, size, group, expert_parallel)
+            return TensorParallel(rank, size, group, expert_parallel, dp)
     except (RuntimeError, ValueError) as err:
         raise ConfigError(
             f"tp rank {rank} of {size} could not join the group at {init_file} "
             f"within {timeout_s} s: {err}"
         ) from err
-    return TensorParallel(rank, size, None, expert_parallel)
+    return TensorParallel(rank, size, None, expert_parallel, dp)
 
 
 @dataclass(frozen=True)
@@ -122,10 +151,11 @@ def scaled(r: range, by: int, offset: int = 0) -> range:
 
 
 def attention_cuts(spec: ModelSpec, tp: TensorParallel) -> dict[str, Cut]:
-    """Cuts of one layer's attention weights: query heads split (column-parallel in, row-parallel
-    `wo`); GQA KV heads as the planner places them; MLA's latent (w_dkv, w_dq) uncut."""
-    spec.check_tp(tp.size)
-    q = tp.part(spec.heads, f"{spec.name}'s query heads")
+    """Cuts of one layer's attention weights within the rank's attention group: query heads
+    split (column-parallel in, row-parallel `wo`); GQA KV heads as the planner places them;
+    MLA's latent (w_dkv, w_dq) uncut."""
+    spec.check_tp(tp.attention.size)
+    q = tp.attention.part(spec.heads, f"{spec.name}'s query heads")
     if spec.attention != "mla":
         d, kv = spec.head_dim, tp.kv_heads(spec)
         k_at, v_at = spec.heads * d, (spec.heads + spec.kv_heads) * d
