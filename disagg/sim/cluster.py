@@ -11,6 +11,7 @@ one per token.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections.abc import Callable, Generator, Sequence
@@ -213,7 +214,14 @@ class Node:
         yield all_s, self.sleep()  # the first of the passes' end and a wake
         steps, now = n, env._now
         if now < t0 + all_s and interruptible():
-            steps = min(n, _passes_done(elapsed, now - t0, n) + 1)
+            # elapsed(k) = qa k^2 + qb k: its root at now - t0 is about the passes done by now
+            e, qa = now - t0, b * grow / 2
+            qb = a + b * k0 - qa
+            if qa > 0:
+                guess = (math.sqrt(qb * qb + 4 * qa * e) - qb) / (2 * qa)
+            else:
+                guess = e / qb if qb > 0 else 0.0
+            steps = min(n, _passes_done(elapsed, e, n, guess) + 1)
             yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
             yield t0 + all_s - now
@@ -227,16 +235,15 @@ def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
 _ENDED = (Status.FINISHED, Status.FAILED)
 
 
-def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
-    """Largest k <= n with elapsed(k) <= e (elapsed is increasing)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if elapsed(mid) <= e:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _passes_done(elapsed: Callable[[int], float], e: float, n: int, guess: float) -> int:
+    """Largest k in 0..n with elapsed(k) <= e (elapsed is increasing, elapsed(0) = 0), searched
+    from `guess` (near the answer: a step or two to walk)."""
+    k = min(n, max(0, int(guess)))
+    while k < n and elapsed(k + 1) <= e:
+        k += 1
+    while k > 0 and elapsed(k) > e:
+        k -= 1
+    return k
 
 
 class PrefillNode(Node):
@@ -538,12 +545,20 @@ class Sim:
     def run(
         self, progress: Callable[[int, int, float], None] | None = None, slice_s: float = 10.0
     ) -> None:
-        """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`."""
+        """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`.
+
+        The objects that exist before the run (the imports, the experiment) are frozen out of
+        the garbage collector meanwhile (`gc.freeze`): the run makes many objects, and each of
+        the collector's full passes would otherwise walk all of those old ones again."""
         total = len(self.arrivals)
-        while self.finished < total and self.env.peek() < math.inf:
-            self.env.run(until=self.env._now + slice_s)
-            if progress:
-                progress(self.finished, total, self.env._now)
+        gc.freeze()
+        try:
+            while self.finished < total and self.env.peek() < math.inf:
+                self.env.run(until=self.env._now + slice_s)
+                if progress:
+                    progress(self.finished, total, self.env._now)
+        finally:
+            gc.unfreeze()
         self.check_end()
 
     def network_summary(self) -> dict[str, float]:
