@@ -132,7 +132,7 @@ class PostWrites:
 
     @property
     def imm_pages(self) -> int:
-        return sum(self.imm)
+        return self.imm.count(True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +182,9 @@ class _Inbound:
     left: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.left = sum(self.expected.values()) - sum(self.received.values())
+        self.left = sum(self.expected.values())
+        if self.received:
+            self.left -= sum(self.received.values())
 
 
 class DecodeMessenger:

@@ -114,7 +114,8 @@ class Clock(simpy.Environment):
         `Timer`), or `(delay_s, signal)`: whichever comes first, the signal or the delay's end
         (the other is then ignored). Each resume sends it None; its exceptions propagate out of
         `run`. Unlike a SimPy process it is no event: nothing can wait for its end."""
-        call = self.call
+        call, eid = self.call, self._eid
+        queue: list[Any] = self._queue
 
         def resume(_: Any = None) -> None:
             try:
@@ -125,7 +126,7 @@ class Clock(simpy.Environment):
             if cls is float:
                 if target < 0:
                     raise ValueError(f"Negative delay {target}")
-                call(target, resume)
+                heappush(queue, (self._now + target, NORMAL, next(eid), resume))  # call(...)
             elif cls is Signal or cls is Timer or isinstance(target, simpy.Event):
                 if target.callbacks is None:  # already processed: go on at once
                     call(0.0, resume)
@@ -145,8 +146,7 @@ class Clock(simpy.Environment):
             else:
                 call(_delay(target), resume)
 
-        queue: list[Any] = self._queue
-        heappush(queue, (self._now, URGENT, next(self._eid), resume))
+        heappush(queue, (self._now, URGENT, next(eid), resume))
 
     def step(self) -> None:
         """SimPy's `step`, which also runs a `call`."""

@@ -385,6 +385,7 @@ class Sim:
         self.drops: dict[tuple[int, int], int] = {}  # (prefill, decode) -> connections reset
         self.delays: list[tuple[str, float, float, float]] = []  # node, from, until, delay
         self.transfers = TransferModel(exp, self.network, self.rng)
+        self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
@@ -445,7 +446,7 @@ class Sim:
         """Deliver `msg` to node `node` of `role` after the control-plane latency (and a
         delay_control fault's delay, on either end)."""
         target = self.prefills[node] if role == "prefill" else self.decodes[node]
-        latency = self.exp.transfer.control_latency_s
+        latency = self.control_latency_s
         if self.delays:
             now = self.env._now
             ends = (sender.name, target.name)
