@@ -19,8 +19,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import simpy
-
 from disagg.config import Experiment, GroupConfig
 from disagg.core.kvcache import PagePool
 from disagg.core.messenger import Message, PostMetadata, PostWrites
@@ -42,7 +40,7 @@ from disagg.faults import (
     Stop,
     attribute,
 )
-from disagg.sim.clock import Clock
+from disagg.sim.clock import Clock, Wake
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -103,7 +101,7 @@ class Node:
         self.env = sim.env
         self.cost = make_cost_model(sim.exp, group)
         self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
-        self._wake = self.env.event()
+        self._wake = self.env.wake()
         self.dead = False  # killed (a fault): handles nothing more
         self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
         self._held: list[Callable[[], None]] = []
@@ -145,8 +143,7 @@ class Node:
         self.sim.send(self, role, node, msg)
 
     def wake(self) -> None:
-        if not self._wake.triggered:
-            self._wake.succeed()
+        self._wake.set()
 
     def finished(self, req: Request) -> None:
         self.sim.finished += 1
@@ -155,8 +152,8 @@ class Node:
             self.sim.lost[req.id] = req.fail_reason
 
     # -- the loop
-    def sleep(self) -> simpy.Event:
-        self._wake = self.env.event()
+    def sleep(self) -> Wake:
+        """What the loop waits on while idle (the node's `wake()` sets it)."""
         return self._wake
 
     def loop(self) -> Proc:
