@@ -157,3 +157,33 @@ def test_clock_start_rejects_a_negative_delay() -> None:
     env.start(proc())
     with pytest.raises(ValueError, match=r"Negative delay -1\.0"):
         env.run(until=1.0)
+
+
+def test_clock_wake_resumes_its_waiter_once_and_forgets_a_set_with_none() -> None:
+    env = Clock()
+    log: list[tuple[float, str]] = []
+    wake = env.wake()
+
+    def proc() -> Generator[Any, Any, None]:
+        yield wake
+        log.append((env.now, "woken"))
+        yield 10.0, wake  # woken at 3.0; the delay, ending at 13.0, is then ignored
+        log.append((env.now, "woken before the delay"))
+        yield 0.5, wake  # the delay ends first
+        log.append((env.now, "delay first"))
+        yield wake
+        log.append((env.now, "woken last"))  # the set at 5.0 finds nothing waiting
+
+    env.start(proc())
+    env.call(1.0, wake.set)  # not a plain function: wrapped
+    env.call(1.0, wake.set)  # the process is not waiting again yet: nothing happens
+    env.call(3.0, wake.set)
+    env.call(4.0, wake.set)
+    env.call(5.0, wake.set)
+    env.run(until=20.0)
+    assert log == [
+        (1.0, "woken"),
+        (3.0, "woken before the delay"),
+        (3.5, "delay first"),
+        (4.0, "woken last"),
+    ]

@@ -52,7 +52,7 @@ def timeout_reason(timeout_s: float) -> str:
 
 
 # ---- control-plane messages (cross node boundaries: plain data) ---------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrefillRequest:
     req_id: int
     slot: int  # the immediate value of every write for this request
@@ -96,13 +96,13 @@ Message = PrefillRequest | PrefillRejected | CancelTransfer | TransferAborted
 
 
 # ---- commands to the local backend -------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Send:
     node: int
     msg: Message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Prefill:
     """Queue `req_id` with the local batch scheduler to prefill its first `tokens` tokens."""
 
@@ -110,12 +110,12 @@ class Prefill:
     tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unschedule:
     req_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PostWrites:
     """Write pages `src_pages[i] -> dst_pages[i]` for `layers`; `imm[i]` marks the pages whose
     units carry the immediate `slot` (the transfer plan expands this into writes)."""
@@ -132,10 +132,10 @@ class PostWrites:
 
     @property
     def imm_pages(self) -> int:
-        return sum(self.imm)
+        return self.imm.count(True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PostMetadata:
     req_id: int
     decode_node: int
@@ -143,18 +143,18 @@ class PostMetadata:
     dst_rank: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ready:
     req_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Failed:
     req_id: int
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Retry:
     """Decode side: route `req_id` to a prefill node again and `submit` it."""
 
@@ -169,7 +169,7 @@ ExpectedFn = Callable[[Request, int, int], dict[int, int]]
 
 
 # ---- decode side ---------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Inbound:
     req: Request
     prefill_node: int
@@ -182,7 +182,9 @@ class _Inbound:
     left: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.left = sum(self.expected.values()) - sum(self.received.values())
+        self.left = sum(self.expected.values())
+        if self.received:
+            self.left -= sum(self.received.values())
 
 
 class DecodeMessenger:
@@ -303,22 +305,24 @@ class DecodeMessenger:
         one call; the commands of them all (after the one that completes the transfer, the
         rest are stale)."""
         cmds: list[Command] = []
+        inb = self.inbound.get(slot)
         for rank, count in counts.items():
-            inb = self.inbound.get(slot)
-            if inb is None:
+            if inb is None:  # none in flight, or the transfer closed at an earlier rank
                 self.stale_immediates += count
                 continue
-            got = inb.received.get(rank, 0) + count
+            received = inb.received
+            got = received.get(rank, 0) + count
             if got > inb.expected.get(rank, 0):
                 self.excess_immediates += count
                 continue
-            inb.received[rank] = got
+            received[rank] = got
             inb.left -= count
-            if inb.left or inb.received != inb.expected:
+            if inb.left or received != inb.expected:
                 continue
             self._close(slot)
             inb.req.status = Status.READY
             cmds.append(Ready(inb.req.id))
+            inb = None
         return cmds
 
     def _close(self, slot: int, reuse: bool = True) -> _Inbound:
@@ -412,7 +416,7 @@ GONE_KEPT = 4096  # requests cancelled or refused before their other half came (
 
 
 # ---- prefill side --------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Queued:
     """A request this node accepted: from the decoder (`msg`), or from the router first
     (parallel handoff: `msg` is None until the decoder's PrefillRequest arrives)."""
@@ -423,7 +427,7 @@ class _Queued:
     msg: PrefillRequest | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Outbound:
     job: _Queued
     src_pages: list[int]
@@ -439,7 +443,7 @@ class _Outbound:
         return self.job.msg
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _ScheduledChunk:
     req_id: int
     start: int

@@ -57,7 +57,7 @@ TRANSFER_COLUMNS = [
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class Transfer:
     request_id: int
     prefill_node: int

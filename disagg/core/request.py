@@ -20,7 +20,7 @@ class Status(StrEnum):
     UNFINISHED = "unfinished"  # the run stopped before the request ended (its reason says why)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request. Token counts are integers except `generated`, which may grow by a
     fractional number of accepted tokens per step under speculative decoding / MTP."""

@@ -333,11 +333,10 @@ class DecodeRole(_Dispatch):
         """`steps` passes of `batch` ended; the first of them ended at `first_token_s` (default:
         now): that is when a request decoding its first token got it."""
         now = self.port.now()
-        first = now if first_token_s is None else first_token_s
-        for r in batch.decodes:
-            if r.generated == 0:
-                r.first_token_s = first
         progress = self.scheduler.complete(batch, steps)
+        first = now if first_token_s is None else first_token_s
+        for r in progress.first_token:
+            r.first_token_s = first
         for r in progress.finished:
             r.finish_s = now
             self._leave(r)

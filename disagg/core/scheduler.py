@@ -21,7 +21,7 @@ from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """`tokens` prompt tokens of `req`, starting at prompt position `start`."""
 
@@ -31,7 +31,7 @@ class Chunk:
     last: bool  # this chunk completes the request's prefill
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)
@@ -49,7 +49,7 @@ class Batch:
         return not self.chunks and bool(self.decodes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Progress:
     """What a completed batch changed: who emitted a first token, who finished."""
 
@@ -66,10 +66,12 @@ def _check_positive(name: str, value: float) -> None:
 def advance_decodes(decodes: list[Request], steps: int, tokens_per_step: float) -> Progress:
     """Advance decoding requests by `steps` steps of `tokens_per_step` accepted tokens each."""
     first, finished = [], []
+    tokens = steps * tokens_per_step
     for r in decodes:
         if r.generated == 0:
             first.append(r)
-        r.generated = min(float(r.output_tokens), r.generated + steps * tokens_per_step)
+        generated, out = r.generated + tokens, float(r.output_tokens)
+        r.generated = generated if generated < out else out  # min(out, generated)
         if r.generated >= r.output_tokens:  # r.done
             r.status = Status.FINISHED
             finished.append(r)

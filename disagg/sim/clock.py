@@ -84,12 +84,37 @@ class Signal:
         return self
 
 
+class Wake:
+    """A wake-up for one light process (`Clock.start`), reused for every wait: the process
+    yields it (alone, or as `(delay_s, wake)`) and `set()` resumes it, in the place a `Signal`
+    succeeded then would take; a `set()` while nothing waits does nothing. No event object and
+    no callback list per wait."""
+
+    __slots__ = ("env", "waiter")
+
+    def __init__(self, env: Clock) -> None:
+        self.env = env
+        self.waiter: Callable[[], None] | None = None  # the resume of the process waiting
+
+    def set(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            env = self.env
+            queue: list[Any] = env._queue
+            heappush(queue, (env._now, NORMAL, next(env._eid), waiter))
+
+
 class Clock(simpy.Environment):
     """A SimPy environment with cheaper timeouts and a cheaper `run(until=number)`."""
 
     def event(self) -> Any:
         """A `Signal`: an event to `succeed()` later."""
         return Signal(self)
+
+    def wake(self) -> Wake:
+        """A `Wake`: what a light process waits on to be woken."""
+        return Wake(self)
 
     def timeout(self, delay: float = 0, value: Any = None) -> Any:
         """A `Timer` processed `delay` seconds from now (SimPy's contract for a timeout)."""
@@ -111,10 +136,12 @@ class Clock(simpy.Environment):
     def start(self, gen: Generator[Any, Any, Any]) -> None:
         """Run `gen` as a light process (started as SimPy starts a process: first of the
         events due now). It yields what it waits for: a delay in seconds, an event (`Signal`,
-        `Timer`), or `(delay_s, signal)`: whichever comes first, the signal or the delay's end
+        `Timer`), a `Wake`, or `(delay_s, signal)` (a Signal or a Wake): whichever comes first,
+        the signal or the delay's end
         (the other is then ignored). Each resume sends it None; its exceptions propagate out of
         `run`. Unlike a SimPy process it is no event: nothing can wait for its end."""
-        call = self.call
+        call, eid = self.call, self._eid
+        queue: list[Any] = self._queue
 
         def resume(_: Any = None) -> None:
             try:
@@ -125,7 +152,9 @@ class Clock(simpy.Environment):
             if cls is float:
                 if target < 0:
                     raise ValueError(f"Negative delay {target}")
-                call(target, resume)
+                heappush(queue, (self._now + target, NORMAL, next(eid), resume))  # call(...)
+            elif cls is Wake:
+                target.waiter = resume
             elif cls is Signal or cls is Timer or isinstance(target, simpy.Event):
                 if target.callbacks is None:  # already processed: go on at once
                     call(0.0, resume)
@@ -138,15 +167,19 @@ class Clock(simpy.Environment):
                 def first(_: Any = None) -> None:
                     if waiting[0]:
                         waiting[0] = False
+                        if signal.__class__ is Wake and signal.waiter is first:
+                            signal.waiter = None  # the delay ended first
                         resume()
 
-                signal.callbacks.append(first)
+                if signal.__class__ is Wake:
+                    signal.waiter = first
+                else:
+                    signal.callbacks.append(first)
                 call(_delay(delay_s), first)
             else:
                 call(_delay(target), resume)
 
-        queue: list[Any] = self._queue
-        heappush(queue, (self._now, URGENT, next(self._eid), resume))
+        heappush(queue, (self._now, URGENT, next(eid), resume))
 
     def step(self) -> None:
         """SimPy's `step`, which also runs a `call`."""

@@ -11,14 +11,13 @@ one per token.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-import simpy
 
 from disagg.config import Experiment, GroupConfig
 from disagg.core.kvcache import PagePool
@@ -42,7 +41,7 @@ from disagg.faults import (
     attribute,
 )
 from disagg.models import dtype_bytes
-from disagg.sim.clock import Clock
+from disagg.sim.clock import Clock, Wake
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -107,7 +106,7 @@ class Node:
         self.env = sim.env
         self.cost = make_cost_model(sim.exp, group)
         self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
-        self._wake = self.env.event()
+        self._wake = self.env.wake()
         self.dead = False  # killed (a fault): handles nothing more
         self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
         self._held: list[Callable[[], None]] = []
@@ -149,8 +148,7 @@ class Node:
         self.sim.send(self, role, node, msg)
 
     def wake(self) -> None:
-        if not self._wake.triggered:
-            self._wake.succeed()
+        self._wake.set()
 
     def finished(self, req: Request) -> None:
         self.sim.finished += 1
@@ -159,8 +157,8 @@ class Node:
             self.sim.lost[req.id] = req.fail_reason
 
     # -- the loop
-    def sleep(self) -> simpy.Event:
-        self._wake = self.env.event()
+    def sleep(self) -> Wake:
+        """What the loop waits on while idle (the node's `wake()` sets it)."""
         return self._wake
 
     def loop(self) -> Proc:
@@ -218,7 +216,14 @@ class Node:
         yield all_s, self.sleep()  # the first of the passes' end and a wake
         steps, now = n, env._now
         if now < t0 + all_s and interruptible():
-            steps = min(n, _passes_done(elapsed, now - t0, n) + 1)
+            # elapsed(k) = qa k^2 + qb k: its root at now - t0 is about the passes done by now
+            e, qa = now - t0, b * grow / 2
+            qb = a + b * k0 - qa
+            if qa > 0:
+                guess = (math.sqrt(qb * qb + 4 * qa * e) - qb) / (2 * qa)
+            else:
+                guess = e / qb if qb > 0 else 0.0
+            steps = min(n, _passes_done(elapsed, e, n, guess) + 1)
             yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
             yield t0 + all_s - now
@@ -232,16 +237,15 @@ def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
 _ENDED = (Status.FINISHED, Status.FAILED)
 
 
-def _passes_done(elapsed: Callable[[int], float], e: float, n: int) -> int:
-    """Largest k <= n with elapsed(k) <= e (elapsed is increasing)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if elapsed(mid) <= e:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _passes_done(elapsed: Callable[[int], float], e: float, n: int, guess: float) -> int:
+    """Largest k in 0..n with elapsed(k) <= e (elapsed is increasing, elapsed(0) = 0), searched
+    from `guess` (near the answer: a step or two to walk)."""
+    k = min(n, max(0, int(guess)))
+    while k < n and elapsed(k + 1) <= e:
+        k += 1
+    while k > 0 and elapsed(k) > e:
+        k -= 1
+    return k
 
 
 class PrefillNode(Node):
@@ -386,6 +390,7 @@ class Sim:
         self.drops: dict[tuple[int, int], int] = {}  # (prefill, decode) -> connections reset
         self.delays: list[tuple[str, float, float, float]] = []  # node, from, until, delay
         self.transfers = TransferModel(exp, self.network, self.rng)
+        self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
@@ -446,7 +451,7 @@ class Sim:
         """Deliver `msg` to node `node` of `role` after the control-plane latency (and a
         delay_control fault's delay, on either end)."""
         target = self.prefills[node] if role == "prefill" else self.decodes[node]
-        latency = self.exp.transfer.control_latency_s
+        latency = self.control_latency_s
         if self.delays:
             now = self.env._now
             ends = (sender.name, target.name)
@@ -546,12 +551,20 @@ class Sim:
     def run(
         self, progress: Callable[[int, int, float], None] | None = None, slice_s: float = 10.0
     ) -> None:
-        """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`."""
+        """Run to the end; `progress(finished, total, now_s)` is called every `slice_s`.
+
+        The objects that exist before the run (the imports, the experiment) are frozen out of
+        the garbage collector meanwhile (`gc.freeze`): the run makes many objects, and each of
+        the collector's full passes would otherwise walk all of those old ones again."""
         total = len(self.arrivals)
-        while self.finished < total and self.env.peek() < math.inf:
-            self.env.run(until=self.env._now + slice_s)
-            if progress:
-                progress(self.finished, total, self.env._now)
+        gc.freeze()
+        try:
+            while self.finished < total and self.env.peek() < math.inf:
+                self.env.run(until=self.env._now + slice_s)
+                if progress:
+                    progress(self.finished, total, self.env._now)
+        finally:
+            gc.unfreeze()
         self.check_end()
 
     def network_summary(self) -> dict[str, float]:

@@ -24,7 +24,7 @@ from disagg.sim.clock import Clock
 EPS = 1e-12
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Flow:
     parts_left: int
     done: simpy.Event | None  # succeeds at the end (`transfer`)
@@ -33,7 +33,7 @@ class _Flow:
     then: Callable[[], None] | None = None  # called at the end instead (`transfer_then`)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _State:
     """What a NIC is doing: `work_s[i]` seconds left (at full rate) of the part of `flows[i]`,
     served at `rate`. Never changed in place, only replaced: NICs in the same state share one,
@@ -44,7 +44,7 @@ class _State:
     rate: float  # fraction of the NIC's bandwidth it moves (a fault: down 0, degraded)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Parts:
     """A flow's work resolved to NICs: (key, NIC, seconds of work > 0) each, and the largest
     latency of those NICs (0 if none)."""
@@ -53,7 +53,7 @@ class Parts:
     latency_s: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Nic:
     spec: NIC
     state: _State
@@ -157,12 +157,16 @@ class Network:
         self._advance()
         added: dict[tuple[_State, float], _State] = {}
         active, states, now = self._active, self._states, self.env._now
+        st = new = None
+        w0 = 0.0
         for key, nic, w in parts.nics:
-            st = nic.state
-            new = added.get((st, w))
-            if new is None:
-                new = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate)
-                states[new] = 0
+            if nic.state is not st or w != w0:  # else: as the NIC before (a flow spread evenly)
+                st, w0 = nic.state, w
+                new = added.get((st, w))
+                if new is None:
+                    new = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate)
+                    states[new] = 0
+            assert st is not None and new is not None
             nic.state = new
             states[new] += 1
             if st.flows:
@@ -178,8 +182,9 @@ class Network:
     def _advance(self) -> None:
         """Serve every active part for the time since the last update (once per state: the
         NICs sharing a state see it served)."""
-        dt = self.env._now - self._last_s
-        self._last_s = self.env._now
+        now = self.env._now
+        dt = now - self._last_s
+        self._last_s = now
         if dt <= 0:
             return
         for st in self._states:
@@ -189,41 +194,49 @@ class Network:
     def _reschedule(self) -> None:
         nxt = math.inf
         for st in self._states:
-            if st.rate > 0:
-                nxt = min(nxt, min(st.work_s) * len(st.work_s) / st.rate)
+            rate = st.rate
+            if rate > 0:
+                work = st.work_s
+                t = min(work) * len(work) / rate
+                if t < nxt:
+                    nxt = t
         if nxt == math.inf:
             return
         self._generation += 1
         gen = self._generation
-        self.call(max(nxt, 0.0), lambda: self._on_timer(gen))
+        self.call(nxt if nxt > 0.0 else 0.0, lambda: self._on_timer(gen))
 
     def _on_timer(self, gen: int) -> None:
         if gen != self._generation:
             return  # superseded by a later arrival
         self._advance()
         active, states = self._active, self._states
-        ending = {st for st in states if min(st.work_s) <= EPS * max(1, len(st.work_s))}
+        ending = [st for st in states if min(st.work_s) <= EPS * max(1, len(st.work_s))]
         if not ending:
             self._reschedule()
             return
-        if len(active) * 4 >= len(self.nics):  # most NICs busy: filter them, in order
-            keys = [k for k, nic in self.nics.items() if nic.state in ending]
-        else:
-            keys = sorted(
-                (k for k, nic in active.items() if nic.state in ending), key=self._order.__getitem__
-            )
         split: dict[_State, tuple[list[_Flow], _State]] = {}
         for st in ending:
             eps = EPS * max(1.0, len(st.work_s))
-            pairs = list(zip(st.work_s, st.flows, strict=True))
-            left = [w for w, _ in pairs if w > eps]
-            if left:
-                new = _State(left, [f for w, f in pairs if w > eps], st.rate)
-                states[new] = states[st]
+            if len(st.work_s) == 1:  # its one part ends
+                done, new = st.flows, self._idle_state(st.rate)
             else:
-                new = self._idle_state(st.rate)
+                pairs = list(zip(st.work_s, st.flows, strict=True))
+                left = [w for w, _ in pairs if w > eps]
+                if left:
+                    new = _State(left, [f for w, f in pairs if w > eps], st.rate)
+                    states[new] = states[st]
+                else:
+                    new = self._idle_state(st.rate)
+                done = [f for w, f in pairs if w <= eps]
             del states[st]
-            split[st] = ([f for w, f in pairs if w <= eps], new)
+            split[st] = (done, new)
+        if len(active) * 4 >= len(self.nics):  # most NICs busy: filter them, in order
+            keys = [k for k, nic in self.nics.items() if nic.state in split]
+        else:
+            keys = sorted(
+                (k for k, nic in active.items() if nic.state in split), key=self._order.__getitem__
+            )
         now = self.env._now
         for key in keys:  # flows end in the order of their NICs
             nic = active[key]

@@ -44,8 +44,17 @@ class PlanCost:
     metadata_bytes: int
 
 
-# a post's load: NIC work (resolved) and bytes by NIC, the largest work, total bytes, total ops
-_Load = tuple[Parts, dict[tuple[str, int, int], int], float, int, int]
+@dataclass(slots=True)
+class _Load:
+    """What one kind of post (a prefill node, a plan, a size) puts on the network, and how
+    many such posts were made."""
+
+    parts: Parts  # the NIC work, resolved
+    nbytes_by_nic: dict[tuple[str, int, int], int]
+    max_work_s: float
+    nbytes: int
+    ops: int
+    posts: int = 0
 
 
 class TransferModel:
@@ -55,12 +64,12 @@ class TransferModel:
         self.layers = exp.model.spec.layers
         self.layerwise = exp.transfer.policy == "layerwise"
         self.plans: dict[int, PlanCost] = {}
-        self._posted: dict[tuple[int, int, int], int] = {}  # posts by key of `_loads`
         self._cache: dict[tuple[int, int, int], PlanCost] = {}
         # (prefill node, id of a cached PlanCost, page-layers) -> that post's load
         self._loads: dict[tuple[int, int, int], _Load] = {}
         self._expected: dict[tuple[int, int], dict[int, int]] = {}  # (PlanCost id, pages)
         self._imms: dict[tuple[int, int], dict[int, int]] = {}  # (PlanCost id, page-layers)
+        self._meta_imms: dict[int, dict[int, int]] = {}  # by PlanCost id
         c, spec = exp.cluster, exp.model.spec
         self.src: ShardLayout | None = None
         self.dst: ShardLayout | None = None
@@ -130,16 +139,21 @@ class TransferModel:
     def nic_bytes(self) -> dict[tuple[str, int, int], float]:
         """Bytes each sending NIC was given to send, by NIC key."""
         total: dict[tuple[str, int, int], int] = {}
-        for lkey, posts in self._posted.items():
-            for key, nbytes in self._loads[lkey][1].items():
-                total[key] = total.get(key, 0) + nbytes * posts
+        for load in self._loads.values():
+            if not load.posts:
+                continue
+            for key, nbytes in load.nbytes_by_nic.items():
+                total[key] = total.get(key, 0) + nbytes * load.posts
         return {key: float(nbytes) for key, nbytes in total.items()}
 
     def immediates(self, req: Request, cmd: PostWrites | PostMetadata) -> dict[int, int]:
         """Immediates the post's writes deliver, by decode rank (do not change the dict)."""
         pc = self.plans[req.id]
-        if isinstance(cmd, PostMetadata):
-            return {pc.plan.dst_leader: 1}
+        if not isinstance(cmd, PostWrites):  # the metadata write
+            imms = self._meta_imms.get(id(pc))
+            if imms is None:
+                imms = self._meta_imms[id(pc)] = {pc.plan.dst_leader: 1}
+            return imms
         units = cmd.imm_pages * len(cmd.layers)
         key = (id(pc), units)
         imms = self._imms.get(key)
@@ -158,7 +172,7 @@ class TransferModel:
             for n, (b, o) in load.items()
         }
         nbytes = {("prefill", prefill, n): b for n, (b, _) in load.items()}
-        return (
+        return _Load(
             self.network.parts(work),
             nbytes,
             max(work.values(), default=0.0),
@@ -177,26 +191,30 @@ class TransferModel:
     ) -> None:
         """Move the bytes of one post, then call `done`; layer-wise posts start when their
         first layer is produced and cannot end before their last layer is produced and sent."""
-        pc, env = self.plans[req.id], self.network.env
-        units = -1 if isinstance(cmd, PostMetadata) else len(cmd.src_pages) * len(cmd.layers)
-        load = self._loads.get((prefill, id(pc), units))
+        pc, network = self.plans[req.id], self.network
+        now = network.env._now
+        writes = cmd if isinstance(cmd, PostWrites) else None
+        units = -1 if writes is None else len(writes.src_pages) * len(writes.layers)
+        key = (prefill, id(pc), units)
+        load = self._loads.get(key)
         if load is None:
-            load = self._loads[(prefill, id(pc), units)] = self._load(prefill, pc, units)
-        parts = load[0]
-        lkey = (prefill, id(pc), units)
-        self._posted[lkey] = self._posted.get(lkey, 0) + 1
-        start, not_before = env._now, 0.0
-        if step is not None and self.layerwise and isinstance(cmd, PostWrites) and not cmd.earlier:
-            t0, step_s = step
-            per_layer = step_s / self.layers
-            start = t0 + per_layer * (cmd.layers.start + 1)
-            not_before = t0 + per_layer * cmd.layers.stop + load[2] / len(cmd.layers)
+            load = self._loads[key] = self._load(prefill, pc, units)
+        load.posts += 1
+        if step is None or writes is None or not self.layerwise or writes.earlier:
+            rec.transfer(req, load.nbytes, load.ops, now)
+            network.transfer_parts(load.parts, 0.0, done)
+            return
+        t0, step_s = step
+        per_layer = step_s / self.layers
+        layers = writes.layers
+        start = t0 + per_layer * (layers.start + 1)
+        not_before = t0 + per_layer * layers.stop + load.max_work_s / len(layers)
 
         def begin() -> None:
-            rec.transfer(req, load[3], load[4], env._now)
-            self.network.transfer_parts(parts, not_before, done)
+            rec.transfer(req, load.nbytes, load.ops, network.env._now)
+            network.transfer_parts(load.parts, not_before, done)
 
-        if start > env._now:
-            self.network.call(start - env._now, begin)
+        if start > now:
+            network.call(start - now, begin)
         else:
             begin()
