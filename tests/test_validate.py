@@ -311,6 +311,11 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         == 0
     )
 
+    # --replay redoes the replays and the report from the directory alone: the same table
+    res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
+    assert res.exit_code == 0, res.output
+    pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
+
     # two experiments given: each as it is, by mode; a tolerance nothing meets
     coloc = tmp_path / "coloc.json"
     coloc.write_text(other_mode(load_experiment(TINY)).model_dump_json())
@@ -334,6 +339,8 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         ([str(TINY), "--tolerance", "goodput=3"], "--tolerance 'goodput': unknown metric"),
         ([str(TINY), "--rates", "2,fast"], "--rates '2,fast': give comma-separated"),
         ([str(TINY), "--rates", "0,nan"], "--rates '0,nan': give request rates > 0"),
+        (["--replay"], "not a validate directory (needs hw/ runs and profile.csv)"),
+        ([str(TINY), "--replay"], "--replay replays the runs in --out: give no experiments"),
     ],
 )
 def test_validate_refuses_bad_input_naming_it(args: list[str], said: str, tmp_path: Path) -> None:
