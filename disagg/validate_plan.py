@@ -89,7 +89,7 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
         to the largest token budget (or longest prompt), after 0 cached tokens or as many as a
         last chunk of the longest prompt has; decode batches of 1 to the batch limit (or the
         number of requests), at the shortest prompt's to the longest request's context; mixed passes
-    of each chunk beside the largest batch."""
+    of each chunk beside each decode batch, at the shortest context."""
     prompts, totals, chunks, batches = [], [], [], []
     for exp in exps:
         arrivals = _arrivals(exp)
@@ -108,7 +108,9 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
         decode_batch=decode_batch,
         decode_context=decode_context,
         # a colocated pass: a chunk beside a decode batch (the cost model's shared fixed cost)
-        mixed=tuple((n, decode_batch[-1], decode_context[0]) for n in sorted({*prefill_tokens})),
+        mixed=tuple(
+            (n, b, decode_context[0]) for n in sorted({*prefill_tokens}) for b in decode_batch
+        ),
     )
 
 

@@ -138,3 +138,22 @@ def test_host_time_measured_on_a_run_replaces_the_tables_and_grows_with_the_batc
     assert c.step_time(prefill(768)) == pytest.approx(0.0015 + 0.003 + 0.0001)
     with pytest.raises(ConfigError, match="run_host"):
         ProfileCost(table(tmp_path), run_host=(0.001, -1.0, 0.0))
+
+
+def test_the_mixed_offset_interpolates_over_the_chunk_and_the_decodes(tmp_path: Path) -> None:
+    """Offsets measured at (2 decodes, 512 tokens) -2 ms, (2, 2048) -4 ms, (8, 512) -1 ms and
+    (8, 2048) -3 ms: between them, linear in the chunk, then in the decodes; held beyond."""
+
+    def parts(n: int, b: int) -> float:  # the table's prefill and decode parts at context 1000
+        return n / 512 * 0.001 + 0.01 + b * 1000 * 1e-7
+
+    rows = [(512, 2, -0.002), (2048, 2, -0.004), (512, 8, -0.001), (2048, 8, -0.003)]
+    path = table(tmp_path, mixed=False)
+    with path.open("a") as f:
+        f.writelines(f"mixed,{n},{b},1000,{parts(n, b) + off},0\n" for n, b, off in rows)
+    c = ProfileCost(path)
+    assert c.mixed_offset(2, 512) == pytest.approx(-0.002)
+    assert c.mixed_offset(2, 1280) == pytest.approx(-0.003)  # halfway in the chunk
+    assert c.mixed_offset(5, 1280) == pytest.approx(-0.0025)  # and halfway in the decodes
+    assert c.mixed_offset(32, 4096) == pytest.approx(-0.003)  # held beyond both
+    assert c.mixed_offset_s == pytest.approx(-0.0025)  # the median of the four

@@ -196,7 +196,9 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     assert grid.prefill_context == ((0, max(prompts) - 64) if max(prompts) > 64 else (0,))
     assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
     assert grid.decode_context == (min(prompts), longest)
-    assert grid.mixed == tuple((n, 4, min(prompts)) for n in grid.prefill_tokens)
+    assert grid.mixed == tuple(
+        (n, b, min(prompts)) for n in grid.prefill_tokens for b in grid.decode_batch
+    )
 
 
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(

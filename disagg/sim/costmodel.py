@@ -235,9 +235,11 @@ class ProfileCost:
     say otherwise). Between grid points times interpolate linearly; below the grid they hold
     the smallest point's time (a pass's fixed costs do not shrink); above it they extrapolate
     the last segment, and `extrapolated` counts those passes. A mixed pass costs its prefill
-    and decode parts plus `mixed_offset_s`: the median, over the mixed rows, of what a measured
-    mixed pass took beyond its two parts (negative: the fixed costs they share), or 0 without
-    mixed rows. The table must come from the same model and depth as the experiment.
+    and decode parts plus an offset: what the measured mixed passes took beyond their two parts
+    (negative: the fixed costs they share), the median at each (decodes, chunk) measured,
+    interpolated linearly over the chunk and then over the decodes and held beyond them
+    (`mixed_offset`; `mixed_offset_s` is the median of all), 0 without mixed rows. The table
+    must come from the same model and depth as the experiment.
 
     The curves above are device time. A pass also costs the host time the serving loop spends
     around it (batch building, planning, sampling, the sync): the optional column host_s (0
@@ -289,6 +291,13 @@ class ProfileCost:
             )
         ]
         self.mixed_offset_s = float(np.median(beyond_parts)) if beyond_parts else 0.0
+        self.offsets = (  # by (decodes, chunk tokens)
+            pd.Series(beyond_parts, index=pd.MultiIndex.from_arrays([mixed.batch, mixed.tokens]))
+            .groupby(level=[0, 1])
+            .median()
+            if beyond_parts
+            else None
+        )
         host = df.host_s.to_numpy(float) if "host_s" in df.columns else np.zeros(len(df))
         bad = ~(np.isfinite(host) & (host >= 0))
         if bad.any():
@@ -307,6 +316,18 @@ class ProfileCost:
         if run_host is not None and not all(0 <= v < np.inf for v in run_host):
             raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
         self.run_host = run_host
+
+    def mixed_offset(self, decodes: int, tokens: int) -> float:
+        """What a mixed pass of a `tokens`-token chunk beside `decodes` decodes costs beyond its
+        two parts (see the class doc)."""
+        if self.offsets is None:
+            return 0.0
+        batches = sorted({b for b, _ in self.offsets.index})
+        at = [
+            np.interp(tokens, row.index.to_numpy(float), row.to_numpy(float))
+            for row in (self.offsets.loc[b] for b in batches)
+        ]
+        return float(np.interp(decodes, np.array(batches, float), np.array(at)))
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         contexts = sorted({c for c, _ in self.prefill.index})
@@ -375,7 +396,8 @@ class ProfileCost:
             t += self._decode_time(s.decode_seqs, s.decode_context)
         seqs = s.decode_seqs + (s.prefill_tokens > 0)
         if s.prefill_tokens and s.decode_seqs:
-            t = max(t + self.mixed_offset_s, 0.0) + self._host("mixed", seqs)
+            offset = self.mixed_offset(s.decode_seqs, s.prefill_tokens)
+            t = max(t + offset, 0.0) + self._host("mixed", seqs)
         elif s.prefill_tokens:
             t += self._host("prefill", seqs)
         elif s.decode_seqs:
