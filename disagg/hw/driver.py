@@ -448,6 +448,9 @@ class Driver:
             proc = self.procs[name]
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, action)
+                if action == signal.SIGKILL:  # dead now: no request is routed to it after
+                    proc.join(5.0)
+                    self.check_children()
 
     def _receive(self, timeout_s: float) -> None:
         msg = self.control.recv(timeout_s)
