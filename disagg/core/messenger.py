@@ -36,7 +36,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from disagg.core.kvcache import PagePool, pages_for
 from disagg.core.request import Request, Status
@@ -304,26 +304,28 @@ class DecodeMessenger:
         """`on_immediates(slot, count, rank)` for each (rank, count) of `counts`, in order, in
         one call; the commands of them all (after the one that completes the transfer, the
         rest are stale)."""
-        cmds: list[Command] = []
         inb = self.inbound.get(slot)
-        for rank, count in counts.items():
-            if inb is None:  # none in flight, or the transfer closed at an earlier rank
-                self.stale_immediates += count
-                continue
-            received = inb.received
+        if inb is None:  # none in flight
+            self.stale_immediates += sum(counts.values())
+            return []
+        received, expected, left = inb.received, inb.expected, inb.left
+        ranks = iter(counts.items())
+        for rank, count in ranks:
             got = received.get(rank, 0) + count
-            if got > inb.expected.get(rank, 0):
+            if got > expected.get(rank, 0):
                 self.excess_immediates += count
                 continue
             received[rank] = got
-            inb.left -= count
-            if inb.left or received != inb.expected:
+            left -= count
+            if left or received != expected:
                 continue
+            inb.left = 0
             self._close(slot)
             inb.req.status = Status.READY
-            cmds.append(Ready(inb.req.id))
-            inb = None
-        return cmds
+            self.stale_immediates += sum(count for _, count in ranks)  # after the close
+            return [Ready(inb.req.id)]
+        inb.left = left
+        return []
 
     def _close(self, slot: int, reuse: bool = True) -> _Inbound:
         inb = self.inbound.pop(slot)
@@ -443,8 +445,7 @@ class _Outbound:
         return self.job.msg
 
 
-@dataclass(frozen=True, slots=True)
-class _ScheduledChunk:
+class _ScheduledChunk(NamedTuple):  # what `on_batch` is given, as a record
     req_id: int
     start: int
     tokens: int
@@ -611,7 +612,7 @@ class PrefillMessenger:
         for req_id, _, _ in chunks:
             if req_id not in self.outbound:
                 raise ProtocolError(f"prefill node {self.node}: chunk of unknown request {req_id}")
-        self._batch = [_ScheduledChunk(*c) for c in chunks]
+        self._batch = [_ScheduledChunk._make(c) for c in chunks]
         self._layers_sent = 0
         return []
 

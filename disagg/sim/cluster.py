@@ -346,7 +346,10 @@ class ColocatedNode(Node):
 
 def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
     """The index of the node `router` picks, given every node's current load (the requests
-    its role holds), passing over dead nodes; None if all are dead."""
+    its role holds), passing over dead nodes; None if all are dead. A router over one node
+    picks it, whatever its load: that needs no loads."""
+    if len(nodes) == 1:
+        return None if nodes[0].dead else 0
     loads: dict[int, float] = {}
     for i, n in enumerate(nodes):
         role = n.role
