@@ -201,9 +201,9 @@ class PrefillRole(_Dispatch):
         for c in batch.chunks:
             if math.isnan(c.req.prefill_start_s):
                 c.req.prefill_start_s = now
-        self.dispatch(
-            self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks])
-        )
+        # no request leaves here (nor does on_batch give commands): no pruning
+        for cmd in self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks]):
+            self.handlers[type(cmd)](cmd)
         return batch
 
     def on_layers(self, done: int) -> None:
