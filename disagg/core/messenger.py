@@ -51,8 +51,13 @@ def timeout_reason(timeout_s: float) -> str:
     return f"transfer timed out after {timeout_s:g} s"
 
 
+# Messages and commands are values: nothing changes one once it is made. They are not frozen
+# dataclasses only because a few are made per request, and a frozen __init__ costs several
+# times as much (a setattr call per field).
+
+
 # ---- control-plane messages (cross node boundaries: plain data) ---------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillRequest:
     req_id: int
     slot: int  # the immediate value of every write for this request
@@ -65,13 +70,13 @@ class PrefillRequest:
     attempt: int = 1  # the decoder's handoff number for this request (a retry is a new one)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefillRejected:
     req_id: int
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class CancelTransfer:
     """Decode node `decode_node` asks prefill to stop a request's transfer. `reply`: the
     decoder holds pages for it and waits for TransferAborted; not when it failed the request
@@ -84,7 +89,7 @@ class CancelTransfer:
     decode_node: int = -1
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransferAborted:
     """Prefill stopped writing for a request: decode may reuse its pages."""
 
@@ -96,13 +101,13 @@ Message = PrefillRequest | PrefillRejected | CancelTransfer | TransferAborted
 
 
 # ---- commands to the local backend -------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     node: int
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prefill:
     """Queue `req_id` with the local batch scheduler to prefill its first `tokens` tokens."""
 
@@ -110,12 +115,12 @@ class Prefill:
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Unschedule:
     req_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PostWrites:
     """Write pages `src_pages[i] -> dst_pages[i]` for `layers`; `imm[i]` marks the pages whose
     units carry the immediate `slot` (the transfer plan expands this into writes)."""
@@ -135,7 +140,7 @@ class PostWrites:
         return self.imm.count(True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PostMetadata:
     req_id: int
     decode_node: int
@@ -143,18 +148,18 @@ class PostMetadata:
     dst_rank: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ready:
     req_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Failed:
     req_id: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Retry:
     """Decode side: route `req_id` to a prefill node again and `submit` it."""
 

@@ -21,7 +21,7 @@ from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a value, not frozen only because a frozen __init__ costs more
 class Chunk:
     """`tokens` prompt tokens of `req`, starting at prompt position `start`."""
 

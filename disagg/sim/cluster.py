@@ -203,7 +203,7 @@ class Node:
         # the batch: this runs for every batch change)
         generated = list(map(_generated, decodes))
         context = sum(map(_prompt_tokens, decodes)) + sum(map(int, generated))
-        least = min(map(sub, map(_output_tokens, decodes), generated), default=math.inf)
+        least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
 
