@@ -67,19 +67,25 @@ class PagePool:
 
     def allocate(self, owner: int, tokens: int, *, pinned: bool = False) -> list[int]:
         """Give `owner` the pages for `tokens` more tokens; returns the new page ids."""
-        n = self.pages_for(tokens)
-        if n > self.free_pages:
+        n = -(-tokens // self.page_size)
+        free = self._free
+        if n > len(free) + self.num_pages - self._fresh:
             raise PoolExhausted(
                 f"{self.name}: request {owner} needs {n} pages, {self.free_pages} free "
                 f"of {self.num_pages}"
             )
-        cut = max(len(self._free) - n, 0)  # freed pages are reused last freed first
-        pages = self._free[cut:][::-1]
-        del self._free[cut:]
-        reused = len(pages)
-        pages += range(self._fresh, self._fresh + n - reused)
-        self._fresh += n - reused
-        self._owned.setdefault(owner, []).extend(pages)
+        cut = max(len(free) - n, 0)  # freed pages are reused last freed first
+        pages = free[cut:][::-1]
+        del free[cut:]
+        fresh = n - len(pages)  # the rest: pages never handed out yet
+        if fresh:
+            pages += range(self._fresh, self._fresh + fresh)
+            self._fresh += fresh
+        owned = self._owned.get(owner)
+        if owned is None:
+            self._owned[owner] = pages.copy()
+        else:
+            owned.extend(pages)
         if pinned:
             self._pinned.add(owner)
         return pages

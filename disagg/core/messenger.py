@@ -36,7 +36,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from disagg.core.kvcache import PagePool, pages_for
 from disagg.core.request import Request, Status
@@ -51,8 +51,13 @@ def timeout_reason(timeout_s: float) -> str:
     return f"transfer timed out after {timeout_s:g} s"
 
 
+# Messages and commands are values: nothing changes one once it is made. They are not frozen
+# dataclasses only because a few are made per request, and a frozen __init__ costs several
+# times as much (a setattr call per field).
+
+
 # ---- control-plane messages (cross node boundaries: plain data) ---------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillRequest:
     req_id: int
     slot: int  # the immediate value of every write for this request
@@ -65,13 +70,13 @@ class PrefillRequest:
     attempt: int = 1  # the decoder's handoff number for this request (a retry is a new one)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefillRejected:
     req_id: int
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class CancelTransfer:
     """Decode node `decode_node` asks prefill to stop a request's transfer. `reply`: the
     decoder holds pages for it and waits for TransferAborted; not when it failed the request
@@ -84,7 +89,7 @@ class CancelTransfer:
     decode_node: int = -1
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransferAborted:
     """Prefill stopped writing for a request: decode may reuse its pages."""
 
@@ -96,13 +101,13 @@ Message = PrefillRequest | PrefillRejected | CancelTransfer | TransferAborted
 
 
 # ---- commands to the local backend -------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     node: int
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prefill:
     """Queue `req_id` with the local batch scheduler to prefill its first `tokens` tokens."""
 
@@ -110,12 +115,12 @@ class Prefill:
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Unschedule:
     req_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PostWrites:
     """Write pages `src_pages[i] -> dst_pages[i]` for `layers`; `imm[i]` marks the pages whose
     units carry the immediate `slot` (the transfer plan expands this into writes)."""
@@ -135,7 +140,7 @@ class PostWrites:
         return self.imm.count(True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PostMetadata:
     req_id: int
     decode_node: int
@@ -143,18 +148,18 @@ class PostMetadata:
     dst_rank: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ready:
     req_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Failed:
     req_id: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Retry:
     """Decode side: route `req_id` to a prefill node again and `submit` it."""
 
@@ -304,26 +309,28 @@ class DecodeMessenger:
         """`on_immediates(slot, count, rank)` for each (rank, count) of `counts`, in order, in
         one call; the commands of them all (after the one that completes the transfer, the
         rest are stale)."""
-        cmds: list[Command] = []
         inb = self.inbound.get(slot)
-        for rank, count in counts.items():
-            if inb is None:  # none in flight, or the transfer closed at an earlier rank
-                self.stale_immediates += count
-                continue
-            received = inb.received
+        if inb is None:  # none in flight
+            self.stale_immediates += sum(counts.values())
+            return []
+        received, expected, left = inb.received, inb.expected, inb.left
+        ranks = iter(counts.items())
+        for rank, count in ranks:
             got = received.get(rank, 0) + count
-            if got > inb.expected.get(rank, 0):
+            if got > expected.get(rank, 0):
                 self.excess_immediates += count
                 continue
             received[rank] = got
-            inb.left -= count
-            if inb.left or received != inb.expected:
+            left -= count
+            if left or received != expected:
                 continue
+            inb.left = 0
             self._close(slot)
             inb.req.status = Status.READY
-            cmds.append(Ready(inb.req.id))
-            inb = None
-        return cmds
+            self.stale_immediates += sum(count for _, count in ranks)  # after the close
+            return [Ready(inb.req.id)]
+        inb.left = left
+        return []
 
     def _close(self, slot: int, reuse: bool = True) -> _Inbound:
         inb = self.inbound.pop(slot)
@@ -443,8 +450,7 @@ class _Outbound:
         return self.job.msg
 
 
-@dataclass(frozen=True, slots=True)
-class _ScheduledChunk:
+class _ScheduledChunk(NamedTuple):  # what `on_batch` is given, as a record
     req_id: int
     start: int
     tokens: int
@@ -611,7 +617,7 @@ class PrefillMessenger:
         for req_id, _, _ in chunks:
             if req_id not in self.outbound:
                 raise ProtocolError(f"prefill node {self.node}: chunk of unknown request {req_id}")
-        self._batch = [_ScheduledChunk(*c) for c in chunks]
+        self._batch = [_ScheduledChunk._make(c) for c in chunks]
         self._layers_sent = 0
         return []
 

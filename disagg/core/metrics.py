@@ -121,7 +121,10 @@ class Recorder:
         tokens into a pass (1 + draft tokens); `device_s` as in `step`."""
         d, prefill = len(batch.decodes), batch.prefill_tokens
         rows, tokens = len(batch.chunks) + d, prefill + d * decode_qo
-        self.step(node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
+        # the row of `step`, appended here: one per pass or run of passes
+        self.steps.append(
+            (node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
+        )
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)

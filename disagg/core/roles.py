@@ -158,8 +158,10 @@ class PrefillRole(_Dispatch):
     def dispatch(self, cmds: list[m.Command]) -> None:
         for cmd in cmds:
             self.handlers[type(cmd)](cmd)
-        if len(self.requests) > len(self.messenger):  # some left: prefilled, cancelled, refused
-            known = self.messenger.known()
+        messenger = self.messenger  # len(messenger), inlined: this runs after every event
+        known_n = len(messenger.waiting) + len(messenger.parked) + len(messenger.outbound)
+        if len(self.requests) > known_n:  # some left: prefilled, cancelled, refused
+            known = messenger.known()
             for req_id in [r for r in self.requests if r not in known]:
                 del self.requests[req_id]
 
@@ -199,9 +201,9 @@ class PrefillRole(_Dispatch):
         for c in batch.chunks:
             if math.isnan(c.req.prefill_start_s):
                 c.req.prefill_start_s = now
-        self.dispatch(
-            self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks])
-        )
+        # no request leaves here (nor does on_batch give commands): no pruning
+        for cmd in self.messenger.on_batch([(c.req.id, c.start, c.tokens) for c in batch.chunks]):
+            self.handlers[type(cmd)](cmd)
         return batch
 
     def on_layers(self, done: int) -> None:

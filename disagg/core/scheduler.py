@@ -21,7 +21,7 @@ from disagg.core.request import Request, Status
 from disagg.errors import ConfigError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a value, not frozen only because a frozen __init__ costs more
 class Chunk:
     """`tokens` prompt tokens of `req`, starting at prompt position `start`."""
 
@@ -38,7 +38,8 @@ class Batch:
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
+        chunks = self.chunks
+        return sum(c.tokens for c in chunks) if chunks else 0  # most batches have none
 
     @property
     def empty(self) -> bool:
@@ -49,7 +50,7 @@ class Batch:
         return not self.chunks and bool(self.decodes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per pass, and a frozen __init__ costs more
 class Progress:
     """What a completed batch changed: who emitted a first token, who finished."""
 
@@ -68,14 +69,17 @@ def advance_decodes(decodes: list[Request], steps: int, tokens_per_step: float) 
     first, finished = [], []
     tokens = steps * tokens_per_step
     for r in decodes:
-        if r.generated == 0:
+        generated = r.generated
+        if generated == 0:
             first.append(r)
-        generated, out = r.generated + tokens, float(r.output_tokens)
-        r.generated = generated if generated < out else out  # min(out, generated)
-        if r.generated >= r.output_tokens:  # r.done
+        generated += tokens
+        if generated < r.output_tokens:
+            r.generated = generated
+        else:  # done: generated is min(output_tokens, generated)
+            r.generated = float(r.output_tokens)
             r.status = Status.FINISHED
             finished.append(r)
-    return Progress(first_token=first, finished=finished)
+    return Progress([], first, finished)
 
 
 def steps_to_finish(req: Request, tokens_per_step: float) -> int:
@@ -128,7 +132,7 @@ class PrefillScheduler:
         if done:  # most passes of a long prompt finish nobody: keep the queue as it is
             ids = {r.id for r in done}
             self.queue = deque((r, t) for r, t in self.queue if r.id not in ids)
-        return Progress(prefilled=done)
+        return Progress(done, [], [])
 
 
 class DecodeScheduler:
@@ -155,13 +159,12 @@ class DecodeScheduler:
             req = self.ready.popleft()
             req.status = Status.DECODING
             self.running.append(req)
-        return Batch(decodes=list(self.running))
+        return Batch([], list(self.running))
 
     def complete(self, batch: Batch, steps: int = 1) -> Progress:
         progress = advance_decodes(batch.decodes, steps, self.tokens_per_step)
-        if progress.finished:
-            done = {r.id for r in progress.finished}
-            self.running = [r for r in self.running if r.id not in done]
+        for r in progress.finished:  # each is in `running` once (compared by identity)
+            self.running.remove(r)
         return progress
 
 

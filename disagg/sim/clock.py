@@ -155,18 +155,16 @@ class Clock(simpy.Environment):
                 heappush(queue, (self._now + target, NORMAL, next(eid), resume))  # call(...)
             elif cls is Wake:
                 target.waiter = resume
-            elif cls is Signal or cls is Timer or isinstance(target, simpy.Event):
-                if target.callbacks is None:  # already processed: go on at once
-                    call(0.0, resume)
-                else:
-                    target.callbacks.append(resume)
             elif cls is tuple:
                 delay_s, signal = target
-                waiting = [True]
+                if delay_s < 0:
+                    raise ValueError(f"Negative delay {delay_s}")
+                waiting = True
 
                 def first(_: Any = None) -> None:
-                    if waiting[0]:
-                        waiting[0] = False
+                    nonlocal waiting
+                    if waiting:
+                        waiting = False
                         if signal.__class__ is Wake and signal.waiter is first:
                             signal.waiter = None  # the delay ended first
                         resume()
@@ -175,7 +173,12 @@ class Clock(simpy.Environment):
                     signal.waiter = first
                 else:
                     signal.callbacks.append(first)
-                call(_delay(delay_s), first)
+                heappush(queue, (self._now + delay_s, NORMAL, next(eid), first))  # call(...)
+            elif cls is Signal or cls is Timer or isinstance(target, simpy.Event):
+                if target.callbacks is None:  # already processed: go on at once
+                    call(0.0, resume)
+                else:
+                    target.callbacks.append(resume)
             else:
                 call(_delay(target), resume)
 

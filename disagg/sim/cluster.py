@@ -16,6 +16,7 @@ import math
 import random
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
+from operator import attrgetter, sub
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +199,11 @@ class Node:
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
         a, b = self.cost.decode_line(len(decodes))
-        context, least = 0, math.inf  # context tokens; output left of the nearest its end
-        for r in decodes:
-            generated = r.generated
-            context += r.prompt_tokens + int(generated)
-            if r.output_tokens - generated < least:
-                least = r.output_tokens - generated
+        # context tokens, and the output left of the request nearest its end (builtins over
+        # the batch: this runs for every batch change)
+        generated = list(map(_generated, decodes))
+        context = sum(map(_prompt_tokens, decodes)) + sum(map(int, generated))
+        least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
 
@@ -228,6 +228,10 @@ class Node:
         elif now < t0 + all_s:
             yield t0 + all_s - now
         return steps, t0 + elapsed(1)
+
+
+_generated, _prompt_tokens = attrgetter("generated"), attrgetter("prompt_tokens")
+_output_tokens = attrgetter("output_tokens")
 
 
 def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
@@ -346,7 +350,10 @@ class ColocatedNode(Node):
 
 def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
     """The index of the node `router` picks, given every node's current load (the requests
-    its role holds), passing over dead nodes; None if all are dead."""
+    its role holds), passing over dead nodes; None if all are dead. A router over one node
+    picks it, whatever its load: that needs no loads."""
+    if len(nodes) == 1:
+        return None if nodes[0].dead else 0
     loads: dict[int, float] = {}
     for i, n in enumerate(nodes):
         role = n.role

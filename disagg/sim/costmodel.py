@@ -44,7 +44,7 @@ QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per til
 ACT = 2  # bytes per activation element (bf16)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # a value, not frozen only because a frozen __init__ costs more
 class StepShape:
     """A batch as the cost model sees it.
 

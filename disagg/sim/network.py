@@ -37,11 +37,14 @@ class _Flow:
 class _State:
     """What a NIC is doing: `work_s[i]` seconds left (at full rate) of the part of `flows[i]`,
     served at `rate`. Never changed in place, only replaced: NICs in the same state share one,
-    and the work of identical NICs (a flow spread evenly over a node's NICs) is done once."""
+    and the work of identical NICs (a flow spread evenly over a node's NICs) is done once.
+    `nics`: the NICs in this state, in the order of `Network.nics` (kept for busy states only:
+    an idle state's list stays empty)."""
 
     work_s: list[float]
     flows: list[_Flow]
     rate: float  # fraction of the NIC's bandwidth it moves (a fault: down 0, degraded)
+    nics: list[_Nic]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +56,17 @@ class Parts:
     latency_s: float
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Nic:
     spec: NIC
     state: _State
+    order: int  # its place in `Network.nics`
     busy_s: float = 0.0  # time with at least one active part, up to `since_s` if active
     since_s: float = 0.0  # when it last became active
 
     @property
     def rate(self) -> float:
         return self.state.rate
-
-
-def _leave(states: dict[_State, int], st: _State) -> None:
-    """One NIC fewer in `st`."""
-    n = states[st] - 1
-    if n:
-        states[st] = n
-    else:
-        del states[st]
 
 
 def _call_by_timeout(env: simpy.Environment, delay: float, fn: Callable[[], None]) -> None:
@@ -93,8 +88,7 @@ class Network:
         )
         self.nics: dict[Hashable, _Nic] = {}
         self._order: dict[Hashable, int] = {}  # a NIC's place in `nics`
-        self._active: dict[Hashable, _Nic] = {}  # the NICs with parts (any order)
-        self._states: dict[_State, int] = {}  # the states of active NICs: how many NICs each
+        self._states: dict[_State, None] = {}  # the states of active NICs (each has NICs)
         self._idle: dict[float, _State] = {}  # the state of an idle NIC, by rate
         self._last_s = 0.0
         self._generation = 0
@@ -102,12 +96,12 @@ class Network:
     def _idle_state(self, rate: float) -> _State:
         state = self._idle.get(rate)
         if state is None:
-            state = self._idle[rate] = _State([], [], rate)
+            state = self._idle[rate] = _State([], [], rate, [])
         return state
 
     def add_nic(self, key: Hashable, spec: NIC) -> None:
-        self._order.setdefault(key, len(self._order))
-        self.nics[key] = _Nic(spec, self._idle_state(1.0))
+        order = self._order.setdefault(key, len(self._order))
+        self.nics[key] = _Nic(spec, self._idle_state(1.0), order)
 
     def work_s(self, key: Hashable, nbytes: float, ops: float) -> float:
         """NIC time at full rate for `nbytes` bytes in `ops` work requests."""
@@ -120,9 +114,11 @@ class Network:
         nic = self.nics[key]
         st = nic.state
         if st.flows:
-            nic.state = _State(st.work_s, st.flows, rate)
-            _leave(self._states, st)
-            self._states[nic.state] = 1
+            nic.state = _State(st.work_s, st.flows, rate, [nic])
+            st.nics.remove(nic)
+            if not st.nics:
+                del self._states[st]
+            self._states[nic.state] = None
         else:
             nic.state = self._idle_state(rate)
         self._reschedule()
@@ -142,8 +138,14 @@ class Network:
         self._start(_Flow(0, None, not_before_s, 0.0, then), work)
 
     def parts(self, work: Mapping[Any, float]) -> Parts:
-        """`work` resolved for `transfer_parts`: the NICs with work, and the flow's latency."""
-        parts = tuple((key, self.nics[key], w) for key, w in work.items() if w > 0)
+        """`work` resolved for `transfer_parts`: the NICs with work, in the order of `nics`,
+        and the flow's latency."""
+        parts = tuple(
+            sorted(
+                ((key, self.nics[key], w) for key, w in work.items() if w > 0),
+                key=lambda part: part[1].order,
+            )
+        )
         return Parts(parts, max((nic.spec.latency_s for _, nic, _ in parts), default=0.0))
 
     def transfer_parts(self, parts: Parts, not_before_s: float, then: Callable[[], None]) -> None:
@@ -155,25 +157,29 @@ class Network:
 
     def _begin(self, flow: _Flow, parts: Parts) -> None:
         self._advance()
-        added: dict[tuple[_State, float], _State] = {}
-        active, states, now = self._active, self._states, self.env._now
-        st = new = None
-        w0 = 0.0
-        for key, nic, w in parts.nics:
-            if nic.state is not st or w != w0:  # else: as the NIC before (a flow spread evenly)
-                st, w0 = nic.state, w
-                new = added.get((st, w))
-                if new is None:
-                    new = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate)
-                    states[new] = 0
-            assert st is not None and new is not None
+        added: dict[tuple[_State, float], _State] = {}  # (old state, work) -> new state
+        states, now = self._states, self.env._now
+        prev: _State | None = None
+        new: _State
+        w0, idle = 0.0, False
+        for _, nic, w in parts.nics:  # in the order of `nics`, so each new state's NICs are
+            st = nic.state
+            if st is not prev or w != w0:  # else: as the NIC before (a flow spread evenly)
+                prev, w0, idle = st, w, not st.flows
+                found = added.get((st, w))
+                if found is None:
+                    found = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate, [])
+                    states[found] = None
+                new = found
             nic.state = new
-            states[new] += 1
-            if st.flows:
-                _leave(states, st)
-            else:  # idle until now
+            new.nics.append(nic)
+            if idle:  # idle until now
                 nic.since_s = now
-            active[key] = nic
+        for old, _ in added:  # the busy states left keep the NICs that did not move
+            if old.flows and old in states:
+                old.nics = [nic for nic in old.nics if nic.state is old]
+                if not old.nics:
+                    del states[old]
         flow.parts_left, flow.latency_s = len(parts.nics), parts.latency_s
         if not parts.nics:
             self._finish(flow)
@@ -210,42 +216,41 @@ class Network:
         if gen != self._generation:
             return  # superseded by a later arrival
         self._advance()
-        active, states = self._active, self._states
+        states = self._states
         ending = [st for st in states if min(st.work_s) <= EPS * max(1, len(st.work_s))]
         if not ending:
             self._reschedule()
             return
-        split: dict[_State, tuple[list[_Flow], _State]] = {}
+        # Flows end in the order of their NICs: a flow ends with the last of its NICs (in the
+        # order of `nics`) to finish its part, the flows of one NIC in their state's order. All
+        # NICs of a state finish the same parts, so a state is handled at once, states in the
+        # order of their last NIC: each flow's count reaches 0 at the state of its last NIC.
+        if len(ending) > 1:
+            ending.sort(key=lambda st: st.nics[-1].order)
+        now = self.env._now
         for st in ending:
             eps = EPS * max(1.0, len(st.work_s))
+            nics = st.nics
+            del states[st]
             if len(st.work_s) == 1:  # its one part ends
-                done, new = st.flows, self._idle_state(st.rate)
+                done, work, going = st.flows, [], []
             else:
                 pairs = list(zip(st.work_s, st.flows, strict=True))
-                left = [w for w, _ in pairs if w > eps]
-                if left:
-                    new = _State(left, [f for w, f in pairs if w > eps], st.rate)
-                    states[new] = states[st]
-                else:
-                    new = self._idle_state(st.rate)
+                work = [w for w, _ in pairs if w > eps]
+                going = [f for w, f in pairs if w > eps]
                 done = [f for w, f in pairs if w <= eps]
-            del states[st]
-            split[st] = (done, new)
-        if len(active) * 4 >= len(self.nics):  # most NICs busy: filter them, in order
-            keys = [k for k, nic in self.nics.items() if nic.state in split]
-        else:
-            keys = sorted(
-                (k for k, nic in active.items() if nic.state in split), key=self._order.__getitem__
-            )
-        now = self.env._now
-        for key in keys:  # flows end in the order of their NICs
-            nic = active[key]
-            done, nic.state = split[nic.state]
-            if not nic.state.flows:
-                del active[key]
-                nic.busy_s += now - nic.since_s
+            if work:  # parts left: the NICs go on together
+                new = _State(work, going, st.rate, nics)
+                states[new] = None
+                for nic in nics:
+                    nic.state = new
+            else:
+                idle = self._idle_state(st.rate)
+                for nic in nics:
+                    nic.state = idle
+                    nic.busy_s += now - nic.since_s
             for flow in done:
-                flow.parts_left -= 1
+                flow.parts_left -= len(nics)
                 if flow.parts_left == 0:
                     self._finish(flow)
         self._reschedule()
