@@ -274,6 +274,12 @@ class ProfileCost:
             raise ConfigError(f"cost profile {path}: missing columns {sorted(missing)}")
         self.decode_qo = decode_qo
         self.prefill = df[df.kind == "prefill"].groupby(["context", "tokens"]).duration_s.median()
+        # per profiled context: its tokens and their non-decreasing times (read by every pass)
+        self._contexts = np.array(sorted({c for c, _ in self.prefill.index}), float)
+        self._prefill_curves = [
+            (row.index.to_numpy(float), np.maximum.accumulate(row.to_numpy(float)))
+            for row in (self.prefill.loc[c] for c in self._contexts)
+        ]
         self.decode = df[df.kind == "decode"].groupby(["batch", "context"]).duration_s.median()
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
@@ -291,13 +297,18 @@ class ProfileCost:
             )
         ]
         self.mixed_offset_s = float(np.median(beyond_parts)) if beyond_parts else 0.0
-        self.offsets = (  # by (decodes, chunk tokens)
+        # per measured decode batch: its chunks' tokens and offsets (median of repeats)
+        offsets = (
             pd.Series(beyond_parts, index=pd.MultiIndex.from_arrays([mixed.batch, mixed.tokens]))
             .groupby(level=[0, 1])
             .median()
-            if beyond_parts
-            else None
         )
+        batches = sorted({b for b, _ in offsets.index})
+        self._offset_batches = np.array(batches, float)
+        self._offset_rows = [
+            (row.index.to_numpy(float), row.to_numpy(float))
+            for row in (offsets.loc[b] for b in batches)
+        ]
         host = df.host_s.to_numpy(float) if "host_s" in df.columns else np.zeros(len(df))
         bad = ~(np.isfinite(host) & (host >= 0))
         if bad.any():
@@ -320,23 +331,14 @@ class ProfileCost:
     def mixed_offset(self, decodes: int, tokens: int) -> float:
         """What a mixed pass of a `tokens`-token chunk beside `decodes` decodes costs beyond its
         two parts (see the class doc)."""
-        if self.offsets is None:
+        if not self._offset_rows:
             return 0.0
-        batches = sorted({b for b, _ in self.offsets.index})
-        at = [
-            np.interp(tokens, row.index.to_numpy(float), row.to_numpy(float))
-            for row in (self.offsets.loc[b] for b in batches)
-        ]
-        return float(np.interp(decodes, np.array(batches, float), np.array(at)))
+        at = [np.interp(tokens, xs, ys) for xs, ys in self._offset_rows]
+        return float(np.interp(decodes, self._offset_batches, at))
 
     def _prefill_time(self, tokens: int, context: float) -> float:
-        contexts = sorted({c for c, _ in self.prefill.index})
-        per_ctx = []
-        for c in contexts:
-            row = self.prefill.loc[c]
-            xs, ys = row.index.to_numpy(float), np.maximum.accumulate(row.to_numpy(float))
-            per_ctx.append(_interp(tokens, xs, ys))
-        return _interp(context, np.array(contexts, float), np.maximum.accumulate(per_ctx))
+        per_ctx = [_interp(tokens, xs, ys) for xs, ys in self._prefill_curves]
+        return _interp(context, self._contexts, np.maximum.accumulate(per_ctx))
 
     def decode_line(self, seqs: int) -> tuple[float, float]:
         """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
@@ -349,9 +351,9 @@ class ProfileCost:
         if self.run_host is not None:
             decode, chunk, per_seq = self.run_host
             return (decode if kind == "decode" else chunk) + per_seq * seqs
-        return {"prefill": self.prefill_host_s, "decode": self.decode_host_s}.get(
-            kind, self.mixed_host_s
-        )
+        if kind == "decode":
+            return self.decode_host_s
+        return self.prefill_host_s if kind == "prefill" else self.mixed_host_s
 
     def _device_line(self, seqs: int) -> tuple[float, float]:
         line = self._lines.get(seqs)
