@@ -11,7 +11,6 @@ Two levels, CPU, float32, gloo, tiny models (what CI runs):
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ pytest.importorskip("zmq")
 
 import torch
 import torch.distributed as dist
+from test_hw_tp import spawn_ranks
 from test_hw_tp_nodes import assert_same_outputs, colocated_tp1, run, with_tp
 
 from disagg.config import build_experiment
@@ -80,21 +80,7 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory of every model's results from four spawned rank processes."""
     out = tmp_path_factory.mktemp("dp")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=rank_main, args=(r, str(out / "store"), str(out))) for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
-    assert [p.exitcode for p in procs] == [0] * 4
+    spawn_ranks(rank_main, 4, out, timeout_s=180)
     return out
 
 

@@ -5,6 +5,7 @@ cannot split the model is a ConfigError naming what does not divide."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,23 +67,31 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory of every case's results from a TP2 group of two spawned processes."""
-    out = tmp_path_factory.mktemp("tp2")
+def spawn_ranks(
+    target: Callable[[int, str, str], None], n: int, out: Path, timeout_s: float
+) -> None:
+    """Run `target(rank, store file, out)` in `n` spawned processes; fail naming the ranks that
+    did not finish within `timeout_s` (killed), or unless every one exited 0."""
     ctx = mp.get_context("spawn")
-    ranks = [ctx.Process(target=rank_main, args=(r, str(out / "store"), str(out))) for r in (0, 1)]
+    ranks = [ctx.Process(target=target, args=(r, str(out / "store"), str(out))) for r in range(n)]
     for p in ranks:
         p.start()
     for p in ranks:
-        p.join(timeout=120)
+        p.join(timeout=timeout_s)
     hung = [r for r, p in enumerate(ranks) if p.is_alive()]
     for p in ranks:
         if p.is_alive():
             p.kill()
             p.join()
-    assert not hung, f"ranks {hung} did not finish within 120 s"
-    assert [p.exitcode for p in ranks] == [0, 0]
+    assert not hung, f"ranks {hung} did not finish within {timeout_s:g} s"
+    assert [p.exitcode for p in ranks] == [0] * n
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of every case's results from a TP2 group of two spawned processes."""
+    out = tmp_path_factory.mktemp("tp2")
+    spawn_ranks(rank_main, 2, out, timeout_s=120)
     return out
 
 
