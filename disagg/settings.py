@@ -63,6 +63,9 @@ class HwConfig(_Frozen):
     decode_device: str = "cpu"  # also the colocated server's
     # auto (FlashInfer on CUDA, torch on CPU), torch, flashinfer or flashinfer:KERNEL
     attention: str = "auto"
+    # MoE experts: two grouped GEMMs where they run (CUDA-graph capturable), or one GEMM pair
+    # per expert (the reference; expert parallelism always uses it)
+    moe: Literal["grouped", "reference"] = "grouped"
     bind: str = "tcp://127.0.0.1:*"  # the driver's control socket (loopback by default)
     # the control plane's authentication (docs/security.md): CURVE when a socket binds or
     # connects beyond loopback ("auto"), always ("curve"), or never ("off")
@@ -84,6 +87,7 @@ ENVIRONMENT: dict[str, str] = {
     "DISAGG_PLAN_AHEAD": "hw.latency.plan_ahead",
     "DISAGG_META_IN_STREAM": "hw.latency.meta_in_stream",
     "DISAGG_FUSED_OPS": "hw.latency.fused_ops",
+    "DISAGG_MOE": "hw.moe",
     "DISAGG_CPU_LATENCY_US": "hw.latency.cpu_latency_us",
     "DISAGG_WIRE_PEER_KERNELS": "hw.cuda.peer_kernels",
     "DISAGG_WIRE_STACK": "hw.cuda.stack",

@@ -5,6 +5,7 @@ invariants; on a GPU, the grouped experts in bf16 and an MoE decode step in a CU
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 
 import torch
 
+from disagg.config import load_experiment
 from disagg.hw.batch import Seq
 from disagg.hw.model import Transformer
 from disagg.hw.moe import (
@@ -26,6 +28,7 @@ from disagg.hw.moe import (
 from disagg.hw.specs import small_moe, tiny_mla_moe, tiny_moe
 from disagg.models import DEEPSEEK_V2_LITE, DEEPSEEK_V3, QWEN3_CODER_480B
 
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 
 
@@ -118,12 +121,18 @@ def test_the_grouped_experts_equal_the_per_token_definition_idle_experts_include
     )
 
 
-def test_the_grouped_experts_serve_only_a_rank_holding_every_expert(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_grouped_experts_serve_only_a_rank_holding_every_expert_unless_told_not_to(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
     x = torch.zeros(2, 4)
     assert grouped_runs(x, 8, 8) == hasattr(torch, "_grouped_mm")
     assert not grouped_runs(x, 4, 8)  # expert parallelism: the per-expert path
-    monkeypatch.setenv("DISAGG_MOE", "reference")
-    assert not grouped_runs(x, 8, 8)
+    spec = tiny_moe()
+    reference = Transformer(spec, seed=3, moe="reference")
+    assert not any(m.grouped for m in reference.moes.values())
+    assert all(m.grouped for m in Transformer(spec, seed=3).moes.values())
+    monkeypatch.setenv("DISAGG_MOE", "reference")  # the experiment's hw.moe, as every setting
+    assert load_experiment(EXPERIMENTS / "tiny-disagg.toml").hw.moe == "reference"
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -39,6 +39,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -202,15 +203,17 @@ class Transformer:
         dtype: torch.dtype | None = None,
         fused_ops: bool = True,
         tp: TensorParallel | None = None,
+        moe: Literal["grouped", "reference"] = "grouped",
     ) -> None:
         """`fused_ops`: FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of
-        torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's).
+        torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's). `moe`: how
+        MoE layers compute their experts (disagg.hw.moe).
 
         `tp`: this process is one rank of a tensor-parallel group and holds only its shard of
         the weights (docs/architecture.md, "Tensor parallelism in the hw model"); every rank of
         the group must run the same steps. ConfigError if the group cannot split the model."""
         self.spec = spec
-        self.fused_ops = fused_ops
+        self.fused_ops, self.moe = fused_ops, moe
         self.tp = tp
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -295,7 +298,7 @@ class Transformer:
             layer[name] = w.uniform(f"layer{i}.{name}", shape, std, self.cuts.get(name))
         if self.is_moe_layer(i):
             moe_cuts = {k[4:]: v for k, v in self.cuts.items() if k.startswith("moe.")}
-            self.moes[i] = MoE(s, w, f"layer{i}.moe", out_scale, moe_cuts)
+            self.moes[i] = MoE(s, w, f"layer{i}.moe", out_scale, moe_cuts, self.moe)
         if self.mla:
             layer["kv_norm"] = w.ones(s.kv_lora_rank)
             if s.q_lora_rank:

@@ -17,7 +17,7 @@ shared * moe_intermediate. The routed experts are computed in torch, tokens sort
   graph. Used where it runs and the rank holds every expert;
 - `experts_reference`: one GEMM pair per expert that received tokens (the expert counts go to
   the host); the fallback, and the reference the grouped path is tested against.
-`DISAGG_MOE=reference` forces the fallback.
+`moe="reference"` (the experiment's hw.moe, or DISAGG_MOE=reference) forces the fallback.
 
 Under tensor parallelism (`MoE.cuts`) a rank keeps its share of every expert's width (and of
 the shared experts'), or with expert parallelism its share of whole experts (the shared ones
@@ -31,7 +31,6 @@ lent H200 machine (docs/gpu-runs.md).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -153,10 +152,8 @@ def experts_grouped(
 
 
 def grouped_runs(x: torch.Tensor, held: int, experts: int) -> bool:
-    """Whether `experts_grouped` serves a rank holding `held` of `experts` experts for `x`."""
-    if os.environ.get("DISAGG_MOE") == "reference" or held != experts:
-        return False
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether `experts_grouped` runs for `x` on a rank holding `held` of `experts` experts."""
+    if held != experts or not hasattr(torch, "_grouped_mm"):
         return False
     return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
@@ -171,8 +168,11 @@ class MoE:
         name: str,
         out_scale: float,
         cuts: dict[str, Cut] | None = None,
+        moe: Literal["grouped", "reference"] = "grouped",
     ) -> None:
-        """`cuts`: what this rank keeps of each weight (`MoE.cuts`); None keeps everything."""
+        """`cuts`: what this rank keeps of each weight (`MoE.cuts`); None keeps everything.
+        `moe`: the grouped experts where they run, or always the reference."""
+        self.grouped = moe == "grouped"
         e, h, i = spec.experts, spec.hidden, spec.moe_intermediate
         cut = (cuts or {}).get
         self.routing = routing_for(spec)
@@ -225,7 +225,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output; under tp, this rank's partial sum (to be all-reduced)."""
         weights, ids = route(F.linear(x, self.router), self.routing, self.bias)
-        if grouped_runs(x, self.w13.shape[0], self.router.shape[0]):
+        if self.grouped and grouped_runs(x, self.w13.shape[0], self.router.shape[0]):
             out = experts_grouped(x, weights, ids, self.w13, self.w2)
         else:
             out = experts_reference(x, weights, ids, self.w13, self.w2, self.first)

@@ -122,6 +122,7 @@ def rank_model(cfg: NodeConfig, exp: Experiment, tp: TensorParallel | None) -> T
         seed=exp.seed,
         device=device_of(cfg, exp),
         fused_ops=exp.hw.latency.fused_ops,
+        moe=exp.hw.moe,
         tp=tp,
     )
 
