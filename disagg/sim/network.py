@@ -35,38 +35,34 @@ class _Flow:
 
 @dataclass(eq=False, slots=True)
 class _State:
-    """What a NIC is doing: `work_s[i]` seconds left (at full rate) of the part of `flows[i]`,
-    served at `rate`. Never changed in place, only replaced: NICs in the same state share one,
-    and the work of identical NICs (a flow spread evenly over a node's NICs) is done once.
-    `nics`: the NICs in this state, in the order of `Network.nics` (kept for busy states only:
-    an idle state's list stays empty)."""
+    """What a group of NICs is doing: `work_s[i]` seconds left (at full rate) of the part of
+    `flows[i]` on each of them, served at `rate`. The group is `mask` (bit i: the NIC of place
+    i in `Network.nics`), `count` NICs: NICs that move in lockstep (a flow spread evenly over a
+    node's NICs) are served, split and ended once. All of a group's NICs became busy at
+    `since_s`: a group is split from one earlier group, or made of NICs idle until then."""
 
     work_s: list[float]
     flows: list[_Flow]
-    rate: float  # fraction of the NIC's bandwidth it moves (a fault: down 0, degraded)
-    nics: list[_Nic]
+    rate: float  # fraction of the NICs' bandwidth they move (a fault: down 0, degraded)
+    mask: int
+    count: int
+    since_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class Parts:
-    """A flow's work resolved to NICs: (key, NIC, seconds of work > 0) each, and the largest
-    latency of those NICs (0 if none)."""
+    """A flow's work resolved to NICs: (mask of NICs, seconds of work > 0 on each of them)
+    per amount of work, how many NICs in all, and the largest latency of them (0 if none)."""
 
-    nics: tuple[tuple[Hashable, _Nic, float], ...]
+    groups: tuple[tuple[int, float], ...]
+    count: int
     latency_s: float
 
 
 @dataclass(eq=False, slots=True)
 class _Nic:
     spec: NIC
-    state: _State
-    order: int  # its place in `Network.nics`
-    busy_s: float = 0.0  # time with at least one active part, up to `since_s` if active
-    since_s: float = 0.0  # when it last became active
-
-    @property
-    def rate(self) -> float:
-        return self.state.rate
+    order: int  # its place in `Network.nics`: its bit in a state's mask
 
 
 def _call_by_timeout(env: simpy.Environment, delay: float, fn: Callable[[], None]) -> None:
@@ -88,39 +84,43 @@ class Network:
         )
         self.nics: dict[Hashable, _Nic] = {}
         self._order: dict[Hashable, int] = {}  # a NIC's place in `nics`
-        self._states: dict[_State, None] = {}  # the states of active NICs (each has NICs)
-        self._idle: dict[float, _State] = {}  # the state of an idle NIC, by rate
+        self._states: dict[_State, None] = {}  # the busy groups (disjoint masks)
+        self._busy = 0  # the mask of the busy NICs (the union of the states')
+        self._idle: dict[float, int] = {}  # the mask of the idle NICs, by rate
+        # (mask, seconds) each time a group went idle: busy time per NIC, summed when read
+        self._busy_log: list[tuple[int, float]] = []
         self._last_s = 0.0
         self._generation = 0
 
-    def _idle_state(self, rate: float) -> _State:
-        state = self._idle.get(rate)
-        if state is None:
-            state = self._idle[rate] = _State([], [], rate, [])
-        return state
-
     def add_nic(self, key: Hashable, spec: NIC) -> None:
         order = self._order.setdefault(key, len(self._order))
-        self.nics[key] = _Nic(spec, self._idle_state(1.0), order)
+        self.nics[key] = _Nic(spec, order)
+        self._idle[1.0] = self._idle.get(1.0, 0) | 1 << order
 
     def work_s(self, key: Hashable, nbytes: float, ops: float) -> float:
         """NIC time at full rate for `nbytes` bytes in `ops` work requests."""
         spec = self.nics[key].spec
         return nbytes / spec.bandwidth_bps + ops * spec.op_cost_s
 
+    def _busy_state(self, bit: int) -> _State | None:
+        return next((st for st in self._states if st.mask & bit), None)
+
     def set_rate(self, key: Hashable, rate: float) -> None:
         """From now on the NIC moves `rate` of its bandwidth (0: down, 1: healthy)."""
         self._advance()
-        nic = self.nics[key]
-        st = nic.state
-        if st.flows:
-            nic.state = _State(st.work_s, st.flows, rate, [nic])
-            st.nics.remove(nic)
-            if not st.nics:
+        bit = 1 << self.nics[key].order
+        st = self._busy_state(bit)
+        if st is not None:  # it leaves its group, into one of its own
+            st.mask, st.count = st.mask ^ bit, st.count - 1
+            if not st.mask:
                 del self._states[st]
-            self._states[nic.state] = None
+            self._states[_State(st.work_s, st.flows, rate, bit, 1, st.since_s)] = None
         else:
-            nic.state = self._idle_state(rate)
+            for r, idle in self._idle.items():
+                if idle & bit:
+                    self._idle[r] = idle ^ bit
+                    break
+            self._idle[rate] = self._idle.get(rate, 0) | bit
         self._reschedule()
 
     def transfer(self, work: Mapping[Any, float], not_before_s: float = 0.0) -> simpy.Event:
@@ -138,15 +138,14 @@ class Network:
         self._start(_Flow(0, None, not_before_s, 0.0, then), work)
 
     def parts(self, work: Mapping[Any, float]) -> Parts:
-        """`work` resolved for `transfer_parts`: the NICs with work, in the order of `nics`,
+        """`work` resolved for `transfer_parts`: the NICs with work, grouped by their work,
         and the flow's latency."""
-        parts = tuple(
-            sorted(
-                ((key, self.nics[key], w) for key, w in work.items() if w > 0),
-                key=lambda part: part[1].order,
-            )
-        )
-        return Parts(parts, max((nic.spec.latency_s for _, nic, _ in parts), default=0.0))
+        nics = [(self.nics[key], w) for key, w in work.items() if w > 0]
+        groups: dict[float, int] = {}
+        for nic, w in nics:
+            groups[w] = groups.get(w, 0) | 1 << nic.order
+        latency_s = max((nic.spec.latency_s for nic, _ in nics), default=0.0)
+        return Parts(tuple((mask, w) for w, mask in groups.items()), len(nics), latency_s)
 
     def transfer_parts(self, parts: Parts, not_before_s: float, then: Callable[[], None]) -> None:
         """`transfer_then` of a flow resolved by `parts` (valid while the NICs stay added)."""
@@ -156,38 +155,35 @@ class Network:
         self._begin(flow, self.parts(work))
 
     def _begin(self, flow: _Flow, parts: Parts) -> None:
+        """Add `flow`'s part to each of its NICs: a group whose NICs all get the same work
+        moves to one new state, and the NICs of a group that get none keep theirs."""
         self._advance()
-        added: dict[tuple[_State, float], _State] = {}  # (old state, work) -> new state
         states, now = self._states, self.env._now
-        prev: _State | None = None
-        new: _State
-        w0, idle = 0.0, False
-        for _, nic, w in parts.nics:  # in the order of `nics`, so each new state's NICs are
-            st = nic.state
-            if st is not prev or w != w0:  # else: as the NIC before (a flow spread evenly)
-                prev, w0, idle = st, w, not st.flows
-                found = added.get((st, w))
-                if found is None:
-                    found = added[(st, w)] = _State([*st.work_s, w], [*st.flows, flow], st.rate, [])
-                    states[found] = None
-                new = found
-            nic.state = new
-            new.nics.append(nic)
-            if idle:  # idle until now
-                nic.since_s = now
-        for old, _ in added:  # the busy states left keep the NICs that did not move
-            if old.flows and old in states:
-                old.nics = [nic for nic in old.nics if nic.state is old]
-                if not old.nics:
-                    del states[old]
-        flow.parts_left, flow.latency_s = len(parts.nics), parts.latency_s
-        if not parts.nics:
+        for mask, w in parts.groups:
+            if mask & self._busy:
+                for st in [st for st in states if st.mask & mask]:
+                    both = st.mask & mask
+                    n = both.bit_count()
+                    new = _State([*st.work_s, w], [*st.flows, flow], st.rate, both, n, st.since_s)
+                    states[new] = None
+                    if both == st.mask:
+                        del states[st]
+                    else:
+                        st.mask, st.count = st.mask ^ both, st.count - n
+            if mask & ~self._busy:  # idle until now
+                for rate, idle in self._idle.items():
+                    both = idle & mask
+                    if both:
+                        self._idle[rate] = idle ^ both
+                        states[_State([w], [flow], rate, both, both.bit_count(), now)] = None
+                self._busy |= mask
+        flow.parts_left, flow.latency_s = parts.count, parts.latency_s
+        if not parts.count:
             self._finish(flow)
         self._reschedule()
 
     def _advance(self) -> None:
-        """Serve every active part for the time since the last update (once per state: the
-        NICs sharing a state see it served)."""
+        """Serve every active part for the time since the last update (once per group)."""
         now = self.env._now
         dt = now - self._last_s
         self._last_s = now
@@ -223,15 +219,14 @@ class Network:
             return
         # Flows end in the order of their NICs: a flow ends with the last of its NICs (in the
         # order of `nics`) to finish its part, the flows of one NIC in their state's order. All
-        # NICs of a state finish the same parts, so a state is handled at once, states in the
-        # order of their last NIC: each flow's count reaches 0 at the state of its last NIC.
+        # NICs of a group finish the same parts, so a group is handled at once, groups in the
+        # order of their last NIC (highest bit): each flow's count reaches 0 at the group of
+        # its last NIC.
         if len(ending) > 1:
-            ending.sort(key=lambda st: st.nics[-1].order)
+            ending.sort(key=lambda st: st.mask.bit_length())
         now = self.env._now
         for st in ending:
             eps = EPS * max(1.0, len(st.work_s))
-            nics = st.nics
-            del states[st]
             if len(st.work_s) == 1:  # its one part ends
                 done, work, going = st.flows, [], []
             else:
@@ -240,17 +235,14 @@ class Network:
                 going = [f for w, f in pairs if w > eps]
                 done = [f for w, f in pairs if w <= eps]
             if work:  # parts left: the NICs go on together
-                new = _State(work, going, st.rate, nics)
-                states[new] = None
-                for nic in nics:
-                    nic.state = new
+                st.work_s, st.flows = work, going
             else:
-                idle = self._idle_state(st.rate)
-                for nic in nics:
-                    nic.state = idle
-                    nic.busy_s += now - nic.since_s
+                del states[st]
+                self._busy ^= st.mask
+                self._idle[st.rate] = self._idle.get(st.rate, 0) | st.mask
+                self._busy_log.append((st.mask, now - st.since_s))
             for flow in done:
-                flow.parts_left -= len(nics)
+                flow.parts_left -= st.count
                 if flow.parts_left == 0:
                     self._finish(flow)
         self._reschedule()
@@ -271,6 +263,12 @@ class Network:
     def utilisation(self, key: Hashable) -> float:
         """Fraction of the elapsed simulated time the NIC had work."""
         self._advance()
-        nic, now = self.nics[key], self.env._now
-        busy_s = nic.busy_s + (now - nic.since_s if nic.state.flows else 0.0)
+        bit, now = 1 << self.nics[key].order, self.env._now
+        busy_s = 0.0
+        for mask, seconds in self._busy_log:  # in time order, as a running sum per NIC
+            if mask & bit:
+                busy_s += seconds
+        st = self._busy_state(bit)
+        if st is not None:
+            busy_s += now - st.since_s
         return busy_s / now if now else 0.0
