@@ -663,9 +663,10 @@ class PrefillMessenger:
         )
 
     def _post_metadata(self, out: _Outbound) -> PostMetadata:
-        assert out.msg is not None
+        msg = out.job.msg
+        assert msg is not None
         out.pending_posts += 1
-        return PostMetadata(out.job.req_id, out.msg.decode_node, out.msg.slot, out.msg.dst_rank)
+        return PostMetadata(out.job.req_id, msg.decode_node, msg.slot, msg.dst_rank)
 
     def on_batch_done(self) -> list[Command]:
         """The forward pass finished: post what is left, and the metadata of finished prompts."""
@@ -726,8 +727,9 @@ class PrefillMessenger:
         cmds: list[Command] = []
         in_batch: set[int] | None = None  # built only when a request is done
         for req_id, out in list(self.outbound.items()):
-            sent = out.job.msg is not None or out.abort_reason
-            if not out.prefilled or out.pending_posts or not sent:
+            if not out.prefilled or out.pending_posts:
+                continue
+            if out.job.msg is None and not out.abort_reason:  # its KV has not gone out yet
                 continue
             if in_batch is None:
                 in_batch = {c.req_id for c in self._batch}

@@ -42,7 +42,7 @@ from disagg.faults import (
     attribute,
 )
 from disagg.models import dtype_bytes
-from disagg.sim.clock import Clock, Wake
+from disagg.sim.clock import Clock
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -158,10 +158,6 @@ class Node:
             self.sim.lost[req.id] = req.fail_reason
 
     # -- the loop
-    def sleep(self) -> Wake:
-        """What the loop waits on while idle (the node's `wake()` sets it)."""
-        return self._wake
-
     def loop(self) -> Proc:
         """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
         while not self.dead:
@@ -170,7 +166,7 @@ class Node:
                 continue
             batch = self.role.next_batch()
             if batch.empty:
-                yield self.sleep()
+                yield self._wake  # until the node's wake()
             else:
                 yield from self.run_pass(batch)
 
@@ -213,7 +209,7 @@ class Node:
         n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         env = self.env
         t0, all_s = env._now, elapsed(n)
-        yield all_s, self.sleep()  # the first of the passes' end and a wake
+        yield all_s, self._wake  # the first of the passes' end and a wake
         steps, now = n, env._now
         if now < t0 + all_s and interruptible():
             # elapsed(k) = qa k^2 + qb k: its root at now - t0 is about the passes done by now
@@ -227,15 +223,15 @@ class Node:
             yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
             yield t0 + all_s - now
-        return steps, t0 + elapsed(1)
+        return steps, t0 + (a + b * k0)  # elapsed(1)
 
 
 _generated, _prompt_tokens = attrgetter("generated"), attrgetter("prompt_tokens")
 _output_tokens = attrgetter("output_tokens")
 
 
-def _land(decode: DecodeNode, slot: int, imms: dict[int, int]) -> None:
-    decode.role.on_immediates_by_rank(slot, imms)
+def _always() -> bool:
+    return True
 
 
 _ENDED = (Status.FINISHED, Status.FAILED)
@@ -312,7 +308,7 @@ class DecodeNode(Node):
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env._now
-        steps, first_s = yield from self._decode_run(batch.decodes, self.tps, lambda: True)
+        steps, first_s = yield from self._decode_run(batch.decodes, self.tps, _always)
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
@@ -463,7 +459,8 @@ class Sim:
             now = self.env._now
             ends = (sender.name, target.name)
             latency += sum(d for n, t0, t1, d in self.delays if n in ends and t0 <= now < t1)
-        self.env.call(latency, lambda: target.deliver(lambda: target.role.on_message(msg)))
+        on_message = partial(target.role.on_message, msg)
+        self.env.call(latency, lambda: target.deliver(on_message))
 
     def post(
         self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
@@ -484,10 +481,10 @@ class Sim:
                 return
             imms = self.transfers.immediates(req, cmd)
             if self.env._now < decode.stopped_until:  # the writes land; the count waits
-                decode.deliver(lambda: _land(decode, cmd.slot, imms))
+                decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
             else:
-                _land(decode, cmd.slot, imms)
-            node.deliver(lambda: node.role.on_posted(cmd.req_id))
+                decode.role.on_immediates_by_rank(cmd.slot, imms)
+            node.deliver(partial(node.role.on_posted, cmd.req_id))
 
         self.transfers.post(node.idx, req, cmd, step, self.rec, moved)
 
