@@ -696,12 +696,10 @@ class PrefillMessenger:
         if out is None or out.pending_posts == 0:
             raise ProtocolError(f"prefill node {self.node}: no posts pending for {req_id}")
         out.pending_posts -= 1
-        cmds: list[Command] = []
         if not ok and not out.abort_reason:
-            cmds += self._abort(
-                req_id, f"transfer to decode node {out.job.decode_node} failed: {error}"
-            )
-        return cmds + self._finish_ready()
+            reason = f"transfer to decode node {out.job.decode_node} failed: {error}"
+            return self._abort(req_id, reason) + self._finish_ready()
+        return self._finish_ready()
 
     def _abort(self, req_id: int, reason: str, notify: bool = True) -> list[Command]:
         out = self.outbound[req_id]
@@ -745,7 +743,7 @@ class PrefillMessenger:
                 if retry is not None:
                     q = _Queued(retry.req_id, retry.prompt_tokens, retry.decode_node, retry)
                     self.waiting.append(q)
-        return cmds + self._admit()
+        return cmds + self._admit() if self.waiting else cmds
 
     def _admit(self) -> list[Command]:
         """Start waiting requests in order, evicting early starts to make room for them."""
