@@ -124,9 +124,11 @@ def test_the_grouped_experts_equal_the_per_token_definition_idle_experts_include
 def test_the_grouped_experts_serve_only_a_rank_holding_every_expert_unless_told_not_to(
     monkeypatch,  # type: ignore[no-untyped-def]
 ) -> None:
-    x = torch.zeros(2, 4)
-    assert grouped_runs(x, 8, 8) == hasattr(torch, "_grouped_mm")
-    assert not grouped_runs(x, 4, 8)  # expert parallelism: the per-expert path
+    x = torch.zeros(2, 4)  # rows of 16 bytes
+    assert grouped_runs(x, torch.zeros(8, 4, 8), 8) == hasattr(torch, "_grouped_mm")
+    assert not grouped_runs(x, torch.zeros(4, 4, 8), 8)  # expert parallelism: per expert
+    assert not grouped_runs(x, torch.zeros(8, 4, 9), 8)  # an expert's rows of 36 bytes
+    assert not grouped_runs(torch.zeros(2, 5), torch.zeros(8, 5, 8), 8)  # hidden rows of 20
     spec = tiny_moe()
     reference = Transformer(spec, seed=3, moe="reference")
     assert not any(m.grouped for m in reference.moes.values())

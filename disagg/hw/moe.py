@@ -151,9 +151,13 @@ def experts_grouped(
     return combined.to(x.dtype)
 
 
-def grouped_runs(x: torch.Tensor, held: int, experts: int) -> bool:
-    """Whether `experts_grouped` runs for `x` on a rank holding `held` of `experts` experts."""
+def grouped_runs(x: torch.Tensor, w2: torch.Tensor, experts: int) -> bool:
+    """Whether `experts_grouped` runs for `x` on a rank holding the experts `w2` [E, H, I] of
+    `experts`: all of them, and rows of whole 16 bytes (what the grouped GEMM reads)."""
+    held, width = w2.shape[0], w2.shape[-1]
     if held != experts or not hasattr(torch, "_grouped_mm"):
+        return False
+    if (width * x.element_size()) % 16 or (x.shape[-1] * x.element_size()) % 16:
         return False
     return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
@@ -225,7 +229,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output; under tp, this rank's partial sum (to be all-reduced)."""
         weights, ids = route(F.linear(x, self.router), self.routing, self.bias)
-        if self.grouped and grouped_runs(x, self.w13.shape[0], self.router.shape[0]):
+        if self.grouped and grouped_runs(x, self.w2, self.router.shape[0]):
             out = experts_grouped(x, weights, ids, self.w13, self.w2)
         else:
             out = experts_reference(x, weights, ids, self.w13, self.w2, self.first)
