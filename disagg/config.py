@@ -134,6 +134,9 @@ class GroupConfig(_Frozen):
     nodes: int = Field(default=1, ge=1)
     tp: int = Field(default=8, ge=1)  # tensor-parallel ranks per attention group
     dp: int = Field(default=1, ge=1)  # data-parallel attention groups per node
+    # an MoE model's routed experts split whole across the node's tp x dp ranks, not each
+    # expert's width; the simulator costs the experts spread over the node's GPUs either way
+    expert_parallel: bool = False
     max_batch: int = Field(default=256, ge=1)  # sequences per forward pass
     token_budget: int = Field(default=8192, ge=1)  # tokens per forward pass (chunked prefill)
     scheduler: SchedulerConfig | None = None  # batch policy; None: the role's default
@@ -318,6 +321,16 @@ class Experiment(_Frozen):
                 spec.check_tp(group.tp)
             except ConfigError as e:
                 raise ValueError(f"cluster.{role}: {e}") from None
+            if group.expert_parallel and not spec.is_moe:
+                raise ValueError(
+                    f"cluster.{role}.expert_parallel=true, but {spec.name} has no routed experts"
+                )
+            if group.expert_parallel and spec.experts % group.gpus_per_node:
+                raise ValueError(
+                    f"cluster.{role}.expert_parallel=true: {group.gpus_per_node} ranks "
+                    f"(tp={group.tp} x dp={group.dp}) do not split {spec.name}'s "
+                    f"{spec.experts} routed experts"
+                )
             if group.gpus_per_node > self.hardware.gpus_per_node:
                 raise ValueError(
                     f"cluster.{role}: tp={group.tp} x dp={group.dp} needs "

@@ -21,7 +21,8 @@ def test_default_experiment_is_r1_one_prefill_three_decode() -> None:
 
 
 def test_default_cluster_is_unchanged_but_for_the_typed_router() -> None:
-    group = {"tp": 8, "dp": 1, "max_batch": 256, "token_budget": 8192, "scheduler": None}
+    group = {"tp": 8, "dp": 1, "expert_parallel": False, "max_batch": 256}
+    group |= {"token_budget": 8192, "scheduler": None}
     assert Experiment().cluster.model_dump() == {
         "mode": "disagg",
         "colocated": {"nodes": 4, **group},

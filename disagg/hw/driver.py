@@ -207,7 +207,10 @@ def check_hw_experiment(exp: Experiment) -> None:
                 f"{g.gpus_per_node}"
             )
         try:
-            rank_cuts(spec, TensorParallel(0, g.gpus_per_node, dp=g.dp))
+            rank_cuts(
+                spec,
+                TensorParallel(0, g.gpus_per_node, expert_parallel=g.expert_parallel, dp=g.dp),
+            )
         except ConfigError as e:
             raise ConfigError(f"cluster.{role}: {e}") from None
 

@@ -172,6 +172,11 @@ class NodeConfig:
         return int(self.experiment["cluster"][self.role].get("dp", 1))
 
     @property
+    def expert_parallel(self) -> bool:
+        """`cluster.<role>.expert_parallel`: routed experts split whole across the ranks."""
+        return bool(self.experiment["cluster"][self.role].get("expert_parallel", False))
+
+    @property
     def ranks(self) -> int:
         """The node's processes: tp x dp (rank r is in attention group r // tp)."""
         return self.tp * self.dp

@@ -83,6 +83,7 @@ def join_node(cfg: NodeConfig, rank: int, timeout_s: float) -> TensorParallel:
             timeout_s=timeout_s,
             op_timeout_s=OP_TIMEOUT_S,
             dp=cfg.dp,
+            expert_parallel=cfg.expert_parallel,
         )
     except ConfigError as err:
         came = {int(p.name[6:]): p.read_text() for p in here.glob("came.r*")}
