@@ -201,7 +201,7 @@ def run_simulation(
         transfers_table(sim.rec),
     )
     summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall, objective)
-    summary |= sim.network_summary() | sim.fault_summary() | sim.cost_summary()
+    summary |= sim.network_summary() | sim.fault_summary() | sim.cost_summary(steps)
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from disagg.config import CostConfig, GroupConfig, SpecConfig
+from disagg.core.metrics import steps_table
 from disagg.errors import ConfigError
 from disagg.hardware import H200_SXM
 from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, ModelSpec
@@ -283,9 +284,9 @@ def test_a_simulation_on_a_profile_counts_its_extrapolated_passes(tmp_path: Path
     }
     sim = Sim(build_experiment(data))
     sim.run()
-    flags = sim.cost_summary()
+    flags = sim.cost_summary(steps_table(sim.rec))
     node = sim.nodes[0].cost
     assert isinstance(node, ProfileCost) and flags["profile_passes"] == node.passes > 0
     assert 0 < flags["profile_passes_extrapolated"] == node.extrapolated < node.passes
     roofline = Sim(build_experiment({k: v for k, v in data.items() if k != "cost"}))
-    assert roofline.cost_summary() == {}
+    assert roofline.cost_summary(steps_table(roofline.rec)) == {}

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from disagg.config import build_experiment
+from disagg.core.metrics import host_share, requests_table, steps_table
 from disagg.errors import ConfigError
-from disagg.sim.costmodel import ProfileCost, StepShape
+from disagg.sim.cluster import Sim
+from disagg.sim.costmodel import ProfileCost, RooflineCost, StepShape, make_cost_model
 
 # prefill: 1 ms per 512 tokens; decode: 10 ms + 0.1 us per cached token of the batch.
 # host_s medians: prefill 0.4 ms (of 0.2, 0.4, 0.9), decode 0.25 ms (of 0.1, 0.3, 0.5, 0.2)
@@ -94,36 +97,65 @@ def test_bad_host_times_and_overheads_are_refused_naming_them(tmp_path: Path) ->
 def test_a_simulated_request_pays_the_host_time_on_every_pass(tmp_path: Path) -> None:
     """One request at a time: with 1 ms more host time on every row, each request's TTFT (one
     prefill pass) and TPOT (one decode pass per token) grow by exactly 1 ms."""
-    from disagg.config import build_experiment
-    from disagg.core.metrics import requests_table
-    from disagg.sim.cluster import Sim
-
-    def run(host_s: float) -> list[tuple[float, float]]:
-        rows = [f"prefill,{n},1,0,{t},{host_s}" for n, t, _ in PREFILL]
-        rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},{host_s}" for b, c, _ in DECODE]
-        path = tmp_path / f"host-{host_s}.csv"
-        path.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
-        data = {
-            "model": {"name": "tiny-gqa"},
-            "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
-            "cost": {"source": f"profile:{path}"},
-            "workload": {
-                "rate_per_s": 0.5,
-                "num_requests": 3,
-                "prompt_tokens": {"dist": "fixed", "value": 600},
-                "output_tokens": {"dist": "fixed", "value": 5},
-            },
-        }
-        sim = Sim(build_experiment(data))
-        sim.run()
-        req = requests_table(sim.requests.values())
-        return list(zip(req.ttft_s, req.tpot_s, strict=True))
-
-    base, slower = run(0.0), run(0.001)
+    base, slower = [timings(sim) for sim in (host_run(tmp_path, 0.0), host_run(tmp_path, 0.001))]
     assert len(base) == 3
     for (ttft, tpot), (ttft2, tpot2) in zip(base, slower, strict=True):
         assert ttft2 - ttft == pytest.approx(0.001, abs=1e-9)
         assert tpot2 - tpot == pytest.approx(0.001, abs=1e-9)
+
+
+def test_a_replay_records_the_host_time_outside_the_device_time(tmp_path: Path) -> None:
+    """With 1 ms of host time on every row, each steps row's device time is its duration less
+    1 ms per pass, and the host share is their ratio (as a hw run's)."""
+    steps = steps_table(host_run(tmp_path, 0.001).rec)
+    assert set(steps.kind) == {"mixed", "decode"}  # chunk-only passes are "mixed" when colocated
+    host = steps.duration_s - steps.device_s
+    assert host.to_list() == pytest.approx((0.001 * steps.steps).to_list(), abs=1e-12)
+    share = (0.001 * steps.steps).sum() / steps.duration_s.sum()
+    assert host_share(steps) == pytest.approx(share)
+    assert host_share(steps_table(host_run(tmp_path, 0.0).rec)) == 0.0
+
+
+def timings(sim: Sim) -> list[tuple[float, float]]:
+    req = requests_table(sim.requests.values())
+    return list(zip(req.ttft_s, req.tpot_s, strict=True))
+
+
+def host_run(tmp_path: Path, host_s: float) -> Sim:
+    """A finished colocated Sim of three requests, one at a time, on a profile whose every
+    row has `host_s` of host time."""
+    rows = [f"prefill,{n},1,0,{t},{host_s}" for n, t, _ in PREFILL]
+    rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},{host_s}" for b, c, _ in DECODE]
+    path = tmp_path / f"host-{host_s}.csv"
+    path.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
+        "cost": {"source": f"profile:{path}"},
+        "workload": {
+            "rate_per_s": 0.5,
+            "num_requests": 3,
+            "prompt_tokens": {"dist": "fixed", "value": 600},
+            "output_tokens": {"dist": "fixed", "value": 5},
+        },
+    }
+    sim = Sim(build_experiment(data))
+    sim.run()
+    return sim
+
+
+def test_the_host_part_of_a_pass_is_its_host_time_and_overhead(tmp_path: Path) -> None:
+    c = ProfileCost(table(tmp_path), pass_overhead_s=0.002, run_host=(0.001, 0.003, 0.0001))
+    assert c.host_s(False, 8) == pytest.approx(0.001 + 8 * 0.0001 + 0.002)
+    assert c.host_s(True, 1) == pytest.approx(0.003 + 2 * 0.0001 + 0.002)
+    assert c.host_s(True, 0) == pytest.approx(0.003 + 0.0001 + 0.002)
+    # the same parts that step_time adds to the device time
+    device = 0.01 + 16000e-7
+    assert c.step_time(DECODE_8) - c.host_s(False, 8) == pytest.approx(device)
+    exp = build_experiment({"model": {"name": "llama-3.1-8b"}})
+    roofline = make_cost_model(exp, exp.cluster.prefill)
+    assert isinstance(roofline, RooflineCost)
+    assert roofline.host_s(True, 3) == 0.0  # it models the device alone
 
 
 def test_host_time_measured_on_a_run_replaces_the_tables_and_grows_with_the_batch(

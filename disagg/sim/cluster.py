@@ -18,12 +18,12 @@ from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from operator import attrgetter, sub
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.config import Experiment, GroupConfig
 from disagg.core.kvcache import PagePool
 from disagg.core.messenger import Message, PostMetadata, PostWrites
-from disagg.core.metrics import Recorder
+from disagg.core.metrics import Recorder, host_share
 from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
@@ -46,6 +46,9 @@ from disagg.sim.clock import Clock
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 Proc = Generator[Any, Any, None]  # run by Clock.start: yields delays (s) and events
 
@@ -183,9 +186,13 @@ class Node:
         )
 
     def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
-        """One steps-table row for `steps` passes of `batch` that began at `t0`."""
-        took = self.env._now - t0  # all of it device time: the model has no host overhead
-        self.sim.rec.batch(self.name, kind, t0, took, batch, steps, self.cost.decode_qo, took)
+        """One steps-table row for `steps` passes of `batch` that began at `t0`: their device
+        time is what the cost model's host time per pass leaves."""
+        took = self.env._now - t0
+        host = steps * self.cost.host_s(bool(batch.chunks), len(batch.decodes))
+        self.sim.rec.batch(
+            self.name, kind, t0, took, batch, steps, self.cost.decode_qo, took - host
+        )
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
@@ -581,15 +588,18 @@ class Sim:
             "nic_busy_max": max(self.network.utilisation(k) for k in keys),
         }
 
-    def cost_summary(self) -> dict[str, int]:
-        """With a measured profile as the cost model: the passes it costed, and how many of
-        them lay beyond the profiled grid (extrapolated, so less to be trusted)."""
+    def cost_summary(self, steps: pd.DataFrame) -> dict[str, Any]:
+        """With a measured profile as the cost model: the passes it costed, how many of them
+        lay beyond the profiled grid (extrapolated, so less to be trusted), and the share of
+        the passes' time that is its host time (as a hw run's summary has it), from `steps`."""
         profiles = [n.cost for n in self.nodes if isinstance(n.cost, ProfileCost)]
         if not profiles:
             return {}
         return {
             "profile_passes": sum(c.passes for c in profiles),
             "profile_passes_extrapolated": sum(c.extrapolated for c in profiles),
+            "host_share_of_pass_time": host_share(steps),
+            "host_share_by_node": {n: host_share(g) for n, g in steps.groupby("node")},
         }
 
     def check_end(self) -> None:

@@ -208,6 +208,10 @@ class RooflineCost:
             t += self.draft_tokens * self.draft.step_time(drafts)
         return t
 
+    def host_s(self, prefill: bool, decodes: int) -> float:
+        """The host share of a pass's step time: none (the roofline models the device)."""
+        return 0.0
+
     def decode_line(self, seqs: int) -> tuple[float, float]:
         """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K."""
         line = self._lines.get(seqs)
@@ -345,6 +349,12 @@ class ProfileCost:
         (its host time and `pass_overhead_s` are in a)."""
         a, b = self._device_line(seqs)
         return a + self._host("decode", seqs) + self.pass_overhead_s, b
+
+    def host_s(self, prefill: bool, decodes: int) -> float:
+        """The part of a pass's step time that is not device time (its host time and
+        `pass_overhead_s`): a pass with a prompt chunk (`prefill`) and `decodes` decodes."""
+        kind = "mixed" if prefill and decodes else "prefill" if prefill else "decode"
+        return self._host(kind, decodes + prefill) + self.pass_overhead_s
 
     def _host(self, kind: str, seqs: int) -> float:
         """Host time of a pass of `kind` with `seqs` sequences."""
