@@ -3,8 +3,9 @@
 Stages, each announced through `say`:
 1. profile the device for the experiments' model (`disagg.hw.profile.profile`) over the grid
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
-   passes, each with its host time; then measure the serving loop's time between passes
-   (`measure_loop`), which the profile replays add to every pass;
+   passes, each with its host time; then measure what the serving loop adds to every pass
+   (`measure_loop`, on a run of its own seed at the middle load), which the profile replays
+   add;
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
@@ -231,7 +232,7 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
     return df
 
 
-BURST_REQUESTS = 16  # the loop calibration's requests, all arriving at once
+CALIBRATION_SEED = 1  # added to the experiment's seed: the loop calibration's own workload
 
 
 def pass_gaps(steps: pd.DataFrame) -> pd.Series:
@@ -270,17 +271,20 @@ def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
     return costs
 
 
-def measure_loop(exps: Sequence[Experiment], out: Path) -> dict[str, Any]:
+def measure_loop(exps: Sequence[Experiment], out: Path, rate: float) -> dict[str, Any]:
     """The serving loop's costs on this device that a profile of passes leaves out
     (`loop_costs`), measured on a colocated server (the experiments' colocated one, else the
-    first in that mode) given `BURST_REQUESTS` requests at once: its next pass is always ready,
-    so the gaps between passes are the loop's own time. Written to `out/calibration.json`."""
+    first in that mode) serving `rate` requests/s of a workload of its own (the experiment's
+    seed + CALIBRATION_SEED), so none of the validation runs calibrates itself: a server's host
+    time per pass follows the load it serves (its scheduler's queues, the messages of arrivals
+    and tokens), which a burst of requests at once does not show. Written to
+    `out/calibration.json`."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
-    burst = coloc.updated(f"workload.num_requests={BURST_REQUESTS}", "workload.rate_per_s=1000000")
-    run_hw(burst, out)
+    run = coloc.updated(f"seed={coloc.seed + CALIBRATION_SEED}", f"workload.rate_per_s={rate}")
+    run_hw(run, out)
     costs = loop_costs(pd.read_parquet(out / "steps.parquet"))
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
@@ -303,10 +307,12 @@ def validate(
     start = time.perf_counter()
     df = measure_profile(exps, opts, csv)
     say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
-    costs = measure_loop(exps, out / "calibration")
+    rates = _rates(exps, csv, opts, say)
+    middle = sorted(rates)[(len(rates) - 1) // 2]  # of two, the lower
+    costs = measure_loop(exps, out / "calibration", middle)
     said = ", ".join(f"{k.removeprefix('profile_')} {v * 1e3:.3g} ms" for k, v in costs.items())
-    say(f"serving loop ({BURST_REQUESTS} requests at once): {said}")
-    runs = plan_runs(exps, _rates(exps, csv, opts, say))
+    say(f"serving loop (a run of its own at {middle:g} req/s): {said}")
+    runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s
         say(f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)")

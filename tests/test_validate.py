@@ -297,9 +297,13 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert costed["profile_passes"] > 0
     roofline = json.loads((out / "sim-roofline" / "disagg-60rps" / "summary.json").read_text())
     assert roofline.get("profile_passes") is None
-    # the serving loop's gap between passes, from a burst run, goes into the profile replays
-    burst = pd.read_parquet(out / "calibration" / "requests.parquet")
-    assert len(burst) == 16
+    # the serving loop's gap between passes, from a colocated run of its own workload (the
+    # next seed) at the middle load (of two, the lower), goes into the profile replays
+    calibrated = json.loads((out / "calibration" / "experiment.json").read_text())
+    assert calibrated["cluster"]["mode"] == "colocated"
+    assert (calibrated["seed"], calibrated["workload"]["rate_per_s"]) == (ran["seed"] + 1, 20)
+    assert len(pd.read_parquet(out / "calibration" / "requests.parquet")) == 4
+    assert "serving loop (a run of its own at 20 req/s)" in res.output
     loop = json.loads((out / "calibration" / "calibration.json").read_text())
     gaps = pass_gaps(pd.read_parquet(out / "calibration" / "steps.parquet"))
     # on the CPU passes have no device time: the gap only, the profile's host_s (0) kept
