@@ -17,7 +17,9 @@
 # moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
 # twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
 # (MOE_BENCH=0 leaves moe_bench.py out).
-# VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags).
+# VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags;
+# VALIDATE_EXP=experiments/qwen3moe-h200-colocated.toml validates that one instead, with
+# PREBUILD=qwen3-30b-a3b: the MoE model through validate).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -70,7 +72,7 @@ if [ -n "${MOE:-}" ]; then
   done
   tar -czf "$OUT/moe.tgz" -C "$RUNS" moe
 fi
-[ -z "${VALIDATE:-}" ] || timeout 560 python3 -m disagg.cli validate experiments/llama8b-h200.toml \
+[ -z "${VALIDATE:-}" ] || timeout 560 python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
   --device "cuda:$D" --out "$RUNS/validate" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
 [ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$RUNS" validate
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
