@@ -261,6 +261,9 @@ class CostConfig(_Frozen):
     profile_host_s: float | None = Field(default=None, ge=0)
     profile_host_chunk_s: float = Field(default=0.0, ge=0)
     profile_host_per_seq_s: float = Field(default=0.0, ge=0)
+    # with a profile: (chunk tokens, s) points, the device time a serving run's passes with a
+    # prompt chunk took beyond the profile's cost of them (`disagg validate` measures them)
+    profile_chunk_offsets: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

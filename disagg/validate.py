@@ -20,6 +20,7 @@ replay has a device to model; accuracy there is not the point, the arithmetic is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -271,21 +272,70 @@ def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
     return costs
 
 
-def measure_loop(exps: Sequence[Experiment], out: Path, rate: float) -> dict[str, Any]:
-    """The serving loop's costs on this device that a profile of passes leaves out
-    (`loop_costs`), measured on a colocated server (the experiments' colocated one, else the
-    first in that mode) serving `rate` requests/s of a workload of its own (the experiment's
-    seed + CALIBRATION_SEED), so none of the validation runs calibrates itself: a server's host
-    time per pass follows the load it serves (its scheduler's queues, the messages of arrivals
-    and tokens), which a burst of requests at once does not show. Written to
-    `out/calibration.json`."""
+CHUNK_BINS = 4  # ranges of chunk tokens the calibration's chunk offsets are measured over
+
+
+def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = CHUNK_BINS) -> list[list[float]]:
+    """`[cost] profile_chunk_offsets` from a serving run's steps (`hw`) and its replay's on the
+    profile (`sim`): the run's passes with a prompt chunk in `bins` ranges of chunk tokens (the
+    run's quantiles), per range its median tokens and its median device time less the
+    replay's in the same range. [] where passes have no device times (the CPU)."""
+
+    def chunked(steps: pd.DataFrame) -> pd.DataFrame:
+        return steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
+
+    h, r = chunked(hw), chunked(sim)
+    if len(h) < bins:
+        return []
+    edges = np.unique(np.quantile(h.prefill_tokens, np.linspace(0, 1, bins + 1)))
+    points = []
+    for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        last = k == len(edges) - 2  # the last range holds its upper end
+
+        def inside(t: pd.DataFrame, lo: float = lo, hi: float = hi, last: bool = last) -> pd.Series:
+            return (t.prefill_tokens >= lo) & (
+                (t.prefill_tokens <= hi) if last else (t.prefill_tokens < hi)
+            )
+
+        ih, ir = inside(h), inside(r)
+        if ih.any() and ir.any():
+            over = float(h.device_s[ih].median()) - float(r.device_s[ir].median())
+            points.append([float(h.prefill_tokens[ih].median()), over])
+    return points
+
+
+def measure_loop(
+    exps: Sequence[Experiment],
+    out: Path,
+    rate: float,
+    profile_csv: Path,
+    sim_overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The serving loop's costs on this device that a profile of passes leaves out, measured
+    on a colocated server (the experiments' colocated one, else the first in that mode)
+    serving `rate` requests/s of a workload of its own (the experiment's seed +
+    CALIBRATION_SEED), so none of the validation runs calibrates itself: a server's host time
+    per pass follows the load it serves (its scheduler's queues, the messages of arrivals and
+    tokens), which a burst of requests at once does not show. `loop_costs` of its passes;
+    then, where they have device times, the run replayed on the profile with those costs
+    (`out/replay`) gives `chunk_offsets`. Written to `out/calibration.json`."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
     run = coloc.updated(f"seed={coloc.seed + CALIBRATION_SEED}", f"workload.rate_per_s={rate}")
     run_hw(run, out)
-    costs = loop_costs(pd.read_parquet(out / "steps.parquet"))
+    steps = pd.read_parquet(out / "steps.parquet")
+    costs = loop_costs(steps)
+    if "device_s" in steps and steps.device_s.notna().any():
+        profiled = [
+            f"cost.source=profile:{profile_csv}",
+            *(f"cost.{k}={v!r}" for k, v in costs.items()),
+        ]
+        replay(out, [*sim_overrides, *profiled], out / "replay")
+        offsets = chunk_offsets(steps, pd.read_parquet(out / "replay" / "steps.parquet"))
+        if offsets:
+            costs["profile_chunk_offsets"] = offsets
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
 
@@ -309,8 +359,14 @@ def validate(
     say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
     rates = _rates(exps, csv, opts, say)
     middle = sorted(rates)[(len(rates) - 1) // 2]  # of two, the lower
-    costs = measure_loop(exps, out / "calibration", middle)
-    said = ", ".join(f"{k.removeprefix('profile_')} {v * 1e3:.3g} ms" for k, v in costs.items())
+    costs = measure_loop(exps, out / "calibration", middle, csv, opts.sim_overrides)
+    said = ", ".join(
+        f"{k.removeprefix('profile_')} {v * 1e3:.3g} ms"
+        if isinstance(v, float)
+        else f"{k.removeprefix('profile_')} "
+        + ", ".join(f"{o * 1e3:+.3g} ms at {n:g} tokens" for n, o in v)
+        for k, v in costs.items()
+    )
     say(f"serving loop (a run of its own at {middle:g} req/s): {said}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):

@@ -189,3 +189,34 @@ def test_the_mixed_offset_interpolates_over_the_chunk_and_the_decodes(tmp_path: 
     assert c.mixed_offset(5, 1280) == pytest.approx(-0.0025)  # and halfway in the decodes
     assert c.mixed_offset(32, 4096) == pytest.approx(-0.003)  # held beyond both
     assert c.mixed_offset_s == pytest.approx(-0.0025)  # the median of the four
+
+
+def test_chunk_offsets_are_interpolated_over_the_chunk_and_held_beyond(tmp_path: Path) -> None:
+    """(100 tokens, +10 ms), (1000 tokens, -2 ms): +4 ms halfway, the ends held beyond."""
+    c = ProfileCost(table(tmp_path), chunk_offsets=[(100, 0.01), (1000, -0.002)])
+    assert c.chunk_offset(550) == pytest.approx(0.004)
+    assert (c.chunk_offset(50), c.chunk_offset(4000)) == (0.01, -0.002)
+    plain = ProfileCost(table(tmp_path))
+    offset = 0.01 - (768 - 100) / 900 * 0.012
+    assert c.step_time(prefill(768)) == pytest.approx(plain.step_time(prefill(768)) + offset)
+    # a mixed pass gets it beside its mixed offset; a decode pass does not
+    assert c.step_time(MIXED_PASS) == pytest.approx(
+        plain.step_time(MIXED_PASS) + c.chunk_offset(512)
+    )
+    assert c.step_time(DECODE_8) == plain.step_time(DECODE_8)
+    assert c.decode_line(8) == plain.decode_line(8)
+
+
+def test_chunk_offsets_come_from_the_experiment_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
+        "cost": {"source": f"profile:{table(tmp_path)}"},
+    }
+    exp = build_experiment(data, ["cost.profile_chunk_offsets=[[100.0, 0.01], [1000.0, -0.002]]"])
+    cost = make_cost_model(exp, exp.cluster.colocated)
+    assert isinstance(cost, ProfileCost) and cost.chunk_offset(550) == pytest.approx(0.004)
+    with pytest.raises(ConfigError, match=r"chunk_offsets \[\(1000.0, 0.01\), \(100.0, 0.0\)\]"):
+        ProfileCost(table(tmp_path), chunk_offsets=[(1000.0, 0.01), (100.0, 0.0)])
+    with pytest.raises(ConfigError, match="tokens > 0 increasing"):
+        ProfileCost(table(tmp_path), chunk_offsets=[(0, 0.01)])

@@ -13,7 +13,7 @@ import pytest
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
-from disagg.validate import loop_costs, pass_gaps
+from disagg.validate import chunk_offsets, loop_costs, pass_gaps
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -160,6 +160,27 @@ def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
     assert loop_costs(steps.assign(device_s=math.nan)) == {
         "profile_pass_overhead_s": pytest.approx(5e-4)
     }
+
+
+def test_chunk_offsets_are_each_token_ranges_median_device_time_beyond_the_replays() -> None:
+    """Eight chunk passes of 100-800 tokens (and decode passes, left out) in four ranges of two;
+    the run's device time is the replay's + 10 ms for the smallest range, + 5 / 0 / -3 ms for
+    the others; the replay's passes of a range need not be the run's."""
+    tokens = [100, 200, 300, 400, 500, 600, 700, 800]
+    beyond = [0.01, 0.01, 0.005, 0.005, 0.0, 0.0, -0.003, -0.003]
+    replayed = [0.02 + 1e-5 * n for n in tokens]
+    hw = pd.DataFrame(
+        {
+            "prefill_tokens": [*tokens, 0, 0],
+            "device_s": [r + b for r, b in zip(replayed, beyond, strict=True)] + [0.006] * 2,
+        }
+    )
+    sim = pd.DataFrame({"prefill_tokens": [*tokens[::-1], 0], "device_s": [*replayed[::-1], 1.0]})
+    points = chunk_offsets(hw, sim)
+    # ranges [100, 275), [275, 450), [450, 625), [625, 800]: medians of each side's passes
+    assert [n for n, _ in points] == [150, 350, 550, 750]
+    assert [o for _, o in points] == pytest.approx([0.01, 0.005, 0.0, -0.003])
+    assert chunk_offsets(hw.assign(device_s=math.nan), sim) == []  # the CPU: no device times
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:

@@ -30,6 +30,8 @@ which lets a decode node run many identical steps as one event.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -257,7 +259,11 @@ class ProfileCost:
     plus one for a prompt chunk) of host time, which grows with the batch as a server's
     bookkeeping does. On top of that,
     `pass_overhead_s` (default 0): a fixed cost per pass for the serving loop's time between
-    passes.
+    passes. `chunk_offsets` ((chunk tokens, s) points, tokens increasing; default none): what a
+    serving run's passes with a prompt chunk took on the device beyond this table's cost of
+    them, interpolated over the chunk's tokens and held beyond the ends, added to every pass
+    with a chunk (`disagg validate` measures it: a server's small chunks run longer than the
+    profile's, its large ones shorter).
     """
 
     def __init__(
@@ -266,6 +272,7 @@ class ProfileCost:
         decode_qo: int = 1,
         pass_overhead_s: float = 0.0,
         run_host: tuple[float, float, float] | None = None,
+        chunk_offsets: Sequence[tuple[float, float]] = (),
     ) -> None:
         import pandas as pd
 
@@ -331,6 +338,22 @@ class ProfileCost:
         if run_host is not None and not all(0 <= v < np.inf for v in run_host):
             raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
         self.run_host = run_host
+        xs = [float(n) for n, _ in chunk_offsets]
+        increasing = all(a < b for a, b in itertools.pairwise([0.0, *xs]))
+        if not increasing or not all(np.isfinite(o) for _, o in chunk_offsets):
+            raise ConfigError(
+                f"chunk_offsets {list(chunk_offsets)!r}: give (tokens, seconds) points with "
+                "tokens > 0 increasing and finite seconds"
+            )
+        self._chunk_xs = np.array(xs, float)
+        self._chunk_ys = np.array([float(o) for _, o in chunk_offsets], float)
+
+    def chunk_offset(self, tokens: int) -> float:
+        """The serving runs' device time beyond the table's for a pass with a `tokens`-token
+        prompt chunk (see the class doc); 0 without `chunk_offsets`."""
+        if not len(self._chunk_xs):
+            return 0.0
+        return float(np.interp(tokens, self._chunk_xs, self._chunk_ys))
 
     def mixed_offset(self, decodes: int, tokens: int) -> float:
         """What a mixed pass of a `tokens`-token chunk beside `decodes` decodes costs beyond its
@@ -409,9 +432,10 @@ class ProfileCost:
         seqs = s.decode_seqs + (s.prefill_tokens > 0)
         if s.prefill_tokens and s.decode_seqs:
             offset = self.mixed_offset(s.decode_seqs, s.prefill_tokens)
+            offset += self.chunk_offset(s.prefill_tokens)
             t = max(t + offset, 0.0) + self._host("mixed", seqs)
         elif s.prefill_tokens:
-            t += self._host("prefill", seqs)
+            t = max(t + self.chunk_offset(s.prefill_tokens), 0.0) + self._host("prefill", seqs)
         elif s.decode_seqs:
             t += self._host("decode", seqs)
         else:
@@ -446,7 +470,7 @@ def make_cost_model(exp: Experiment, group: GroupConfig) -> CostModel:
             if c.profile_host_s is None
             else (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
         )
-        return ProfileCost(path, qo, c.profile_pass_overhead_s, run_host)
+        return ProfileCost(path, qo, c.profile_pass_overhead_s, run_host, c.profile_chunk_offsets)
     return RooflineCost(
         exp.model.spec,
         exp.hardware.gpu_spec,
