@@ -195,7 +195,7 @@ class PrefillRole(_Dispatch):
     def next_batch(self) -> Batch:
         """The chunks of the next pass (empty: nothing to run); the messenger is told."""
         batch = self.scheduler.schedule()
-        if batch.empty:
+        if not batch.chunks and not batch.decodes:  # batch.empty, inlined
             return batch
         now = self.port.now()
         for c in batch.chunks:
@@ -342,7 +342,9 @@ class DecodeRole(_Dispatch):
         for r in progress.finished:
             r.finish_s = now
             self._leave(r)
-            self.dispatch(self.messenger.release(r.id, now))
+            cmds = self.messenger.release(r.id, now)
+            if cmds:  # handoffs of waiting requests: most releases admit none
+                self.dispatch(cmds)
         return progress
 
 
