@@ -287,11 +287,15 @@ class PrefillNode(Node):
                 self.deliver(lambda: self.role.on_posted(cmd.req_id, False, error))
                 return
             imms = sim.transfers.immediates(req, cmd)
-            if self.env._now < decode.stopped_until:  # the writes land; the count waits
+            now = self.env._now
+            if now < decode.stopped_until:  # the writes land; the count waits
                 decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
             else:
                 decode.role.on_immediates_by_rank(cmd.slot, imms)
-            self.deliver(partial(self.role.on_posted, cmd.req_id))
+            if now < self.stopped_until:  # (this node is alive: deliver, inlined)
+                self._held.append(partial(self.role.on_posted, cmd.req_id))
+            else:
+                self.role.on_posted(cmd.req_id)
 
         sim.transfers.post(self.idx, req, cmd, self.pass_step, sim.rec, moved)
 
