@@ -210,10 +210,7 @@ class Node:
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
-
-        def elapsed(k: int) -> float:
-            return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
-
+        elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
         n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         env = self.env
         t0, all_s = env._now, elapsed(n)
@@ -232,6 +229,12 @@ class Node:
         elif now < t0 + all_s:
             yield t0 + all_s - now
         return steps, t0 + (a + b * k0)  # elapsed(1)
+
+
+def _run_s(a: float, b: float, k0: float, grow: float, k: int) -> float:
+    """Seconds of k passes of a + b * context, the context k0 at the first, growing by `grow`
+    a pass."""
+    return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
 
 
 _generated, _prompt_tokens = attrgetter("generated"), attrgetter("prompt_tokens")
