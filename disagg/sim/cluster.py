@@ -28,7 +28,7 @@ from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
 from disagg.core.router import Router
-from disagg.core.scheduler import Batch, DecodeScheduler
+from disagg.core.scheduler import Batch
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
 from disagg.faults import (
@@ -392,11 +392,8 @@ def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
         role = n.role
         if n.dead:
             loads[i] = math.inf
-        elif role.__class__ is DecodeRole and role.scheduler.__class__ is DecodeScheduler:
-            # len(role), inlined (DecodeRole.__len__ and DecodeScheduler.__len__): the router
-            # reads it for every node on every arrival
-            m, sched = role.messenger, role.scheduler
-            loads[i] = len(m.waiting) + len(m.inbound) + len(sched.ready) + len(sched.running)
+        elif role.__class__ is DecodeRole:  # len(role), inlined: read for every node on
+            loads[i] = len(role.requests)  # every arrival
         else:
             loads[i] = len(role)
     for _ in nodes:
