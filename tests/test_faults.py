@@ -141,6 +141,35 @@ def test_delayed_control_messages_delay_first_tokens_by_as_much() -> None:
     assert extra.median() == pytest.approx(0.2, abs=0.02)
 
 
+def test_a_decode_role_holds_its_requests_in_its_messenger_or_scheduler() -> None:
+    """len(DecodeRole), the router's load, counts the role's requests: between events each of
+    them waits, is inbound, ready or running, once, through retries, cancels, stops, dropped
+    connections and a prefill node's death."""
+    faults = [
+        {"kind": "stop", "at_s": 0.5, "node": "decode0", "for_s": 1.0},
+        {"kind": "nic_down", "at_s": 1.0, "node": "prefill0", "nic": 0, "for_s": 1.0},
+        {"kind": "drop_connection", "at_s": 2.5, "node": "prefill1", "peer": "decode1"},
+        {"kind": "kill", "at_s": 3.0, "node": "prefill0"},
+    ]
+    data = tomllib.loads(TINY.read_text())
+    data["cluster"]["prefill"]["nodes"], data["cluster"]["decode"]["nodes"] = 2, 2
+    data["faults"] = faults
+    overrides = ["workload.rate_per_s=40", "workload.num_requests=200", "transfer.timeout_s=0.3"]
+    sim = Sim(build_experiment(data, [*LONG, *overrides]))
+    checks = 0
+    while sim.env.peek() < 10.0:
+        sim.env.run(until=sim.env.now + 0.01)
+        for node in sim.decodes:
+            role = node.role
+            m, s = role.messenger, role.scheduler
+            held = [r.id for r, _ in m.waiting] + [i.req.id for i in m.inbound.values()]
+            held += [r.id for r in s.ready] + [r.id for r in s.running]
+            assert sorted(held) == sorted(role.requests) and len(role) == len(held)
+            checks += len(held)
+    assert checks > 1000 and sim.finished == 200
+    assert any(r.attempts > 1 for r in sim.requests.values())  # some were retried
+
+
 def test_faults_are_deterministic() -> None:
     faults = [
         {"kind": "stop", "at_s": 0.5, "node": "decode0", "for_s": 1.0},

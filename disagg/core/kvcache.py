@@ -75,7 +75,8 @@ class PagePool:
                 f"of {self.num_pages}"
             )
         cut = max(len(free) - n, 0)  # freed pages are reused last freed first
-        pages = free[cut:][::-1]
+        pages = free[cut:]
+        pages.reverse()
         del free[cut:]
         fresh = n - len(pages)  # the rest: pages never handed out yet
         if fresh:

@@ -406,7 +406,7 @@ class DecodeMessenger:
     def release(self, req_id: int, now_s: float = 0.0) -> list[Command]:
         """A request finished decoding (or was dropped): free its pages, admit waiting ones."""
         self.pool.free(req_id)
-        return self._admit_waiting(now_s)
+        return self._admit_waiting(now_s) if self.waiting else []
 
     def _admit_waiting(self, now_s: float) -> list[Command]:
         cmds: list[Command] = []
@@ -752,8 +752,8 @@ class PrefillMessenger:
             need = self.waiting[0].prompt_tokens - 1
             if not self.pool.can_allocate(need):
                 cmds += self._evict_early(need)
-            if not self.pool.can_allocate(need):
-                break
+                if not self.pool.can_allocate(need):
+                    break
             cmds += self._start(self.waiting.popleft())
         return cmds
 

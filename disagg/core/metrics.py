@@ -119,8 +119,9 @@ class Recorder:
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
         tokens into a pass (1 + draft tokens); `device_s` as in `step`."""
-        d, prefill = len(batch.decodes), batch.prefill_tokens
-        rows, tokens = len(batch.chunks) + d, prefill + d * decode_qo
+        chunks, d = batch.chunks, len(batch.decodes)
+        prefill = sum(c.tokens for c in chunks) if chunks else 0  # batch.prefill_tokens, inlined
+        rows, tokens = len(chunks) + d, prefill + d * decode_qo
         # the row of `step`, appended here: one per pass or run of passes
         self.steps.append(
             (node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)

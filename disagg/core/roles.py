@@ -195,7 +195,7 @@ class PrefillRole(_Dispatch):
     def next_batch(self) -> Batch:
         """The chunks of the next pass (empty: nothing to run); the messenger is told."""
         batch = self.scheduler.schedule()
-        if batch.empty:
+        if not batch.chunks and not batch.decodes:  # batch.empty, inlined
             return batch
         now = self.port.now()
         for c in batch.chunks:
@@ -262,14 +262,15 @@ class DecodeRole(_Dispatch):
 
     def __len__(self) -> int:
         """Requests this node holds (what a least-loaded router compares, for every node on
-        every arrival: the messenger's length is inlined)."""
-        messenger = self.messenger
-        return len(messenger.waiting) + len(messenger.inbound) + len(self.scheduler)
+        every arrival): those submitted that have not left. Between events each of them is
+        in the messenger (waiting, or inbound) or in the scheduler (ready, or running)."""
+        return len(self.requests)
 
     def _send(self, cmd: m.Send) -> None:
         self.port.send("prefill", cmd.node, cmd.msg)
-        if isinstance(cmd.msg, m.PrefillRequest):
-            self._arm(self.port.now() + self.messenger.timeout_s)
+        timeout_s = self.messenger.timeout_s
+        if timeout_s < math.inf and isinstance(cmd.msg, m.PrefillRequest):  # else no timer
+            self._arm(self.port.now() + timeout_s)
 
     def _ready(self, cmd: m.Ready) -> None:
         req = self.requests[cmd.req_id]
@@ -342,7 +343,9 @@ class DecodeRole(_Dispatch):
         for r in progress.finished:
             r.finish_s = now
             self._leave(r)
-            self.dispatch(self.messenger.release(r.id, now))
+            cmds = self.messenger.release(r.id, now)
+            if cmds:  # handoffs of waiting requests: most releases admit none
+                self.dispatch(cmds)
         return progress
 
 

@@ -28,7 +28,7 @@ from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole, PrefillRole
 from disagg.core.router import Router
-from disagg.core.scheduler import Batch, DecodeScheduler
+from disagg.core.scheduler import Batch
 from disagg.core.workload import generate
 from disagg.errors import ConfigError
 from disagg.faults import (
@@ -111,6 +111,7 @@ class Node:
         self.cost = make_cost_model(sim.exp, group)
         self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
         self._wake = self.env.wake()
+        self.wake = self._wake.set  # the port's wake(): there may be a pass to run
         self.dead = False  # killed (a fault): handles nothing more
         self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
         self._held: list[Callable[[], None]] = []
@@ -149,10 +150,17 @@ class Node:
         return self.env._now
 
     def send(self, role: str, node: int, msg: Message) -> None:
-        self.sim.send(self, role, node, msg)
-
-    def wake(self) -> None:
-        self._wake.set()
+        """Deliver `msg` to node `node` of `role` after the control-plane latency (and a
+        delay_control fault's delay, on either end)."""
+        sim = self.sim
+        target = sim.prefills[node] if role == "prefill" else sim.decodes[node]
+        latency = sim.control_latency_s
+        if sim.delays:
+            now = self.env._now
+            ends = (self.name, target.name)
+            latency += sum(d for n, t0, t1, d in sim.delays if n in ends and t0 <= now < t1)
+        on_message = partial(target.role.on_message, msg)
+        self.env.call(latency, lambda: target.deliver(on_message))
 
     def finished(self, req: Request) -> None:
         self.sim.finished += 1
@@ -168,7 +176,7 @@ class Node:
                 yield from self.frozen()
                 continue
             batch = self.role.next_batch()
-            if batch.empty:
+            if not batch.chunks and not batch.decodes:  # batch.empty, inlined
                 yield self._wake  # until the node's wake()
             else:
                 yield from self.run_pass(batch)
@@ -209,10 +217,7 @@ class Node:
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
-
-        def elapsed(k: int) -> float:
-            return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
-
+        elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
         n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         env = self.env
         t0, all_s = env._now, elapsed(n)
@@ -231,6 +236,12 @@ class Node:
         elif now < t0 + all_s:
             yield t0 + all_s - now
         return steps, t0 + (a + b * k0)  # elapsed(1)
+
+
+def _run_s(a: float, b: float, k0: float, grow: float, k: int) -> float:
+    """Seconds of k passes of a + b * context, the context k0 at the first, growing by `grow`
+    a pass."""
+    return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
 
 
 _generated, _prompt_tokens = attrgetter("generated"), attrgetter("prompt_tokens")
@@ -268,9 +279,35 @@ class PrefillNode(Node):
         self.env.start(self.loop())
 
     def post(self, cmd: PostWrites | PostMetadata) -> None:
-        """A post made during a pass takes its layers' times from the pass; one made between
-        passes (metadata, a catch-up of earlier layers) starts at once."""
-        self.sim.post(self, cmd, self.pass_step)
+        """Move a post's bytes; its immediates land on the decoder, then this node hears. A
+        post made during a pass takes its layers' times from the pass; one made between passes
+        (metadata, a catch-up of earlier layers) starts at once."""
+        sim = self.sim
+        req = sim.requests[cmd.req_id]
+        pair = (self.idx, cmd.decode_node)
+        resets = sim.drops.get(pair, 0) if sim.drops else 0
+
+        def moved() -> None:
+            decode = sim.decodes[cmd.decode_node]
+            if self.dead:
+                return
+            if decode.dead or (sim.drops and sim.drops.get(pair, 0) != resets):
+                why = "it is dead" if decode.dead else "the connection was reset"
+                error = f"{self.name} -> {decode.name}: {why}"
+                self.deliver(lambda: self.role.on_posted(cmd.req_id, False, error))
+                return
+            imms = sim.transfers.immediates(req, cmd)
+            now = self.env._now
+            if now < decode.stopped_until:  # the writes land; the count waits
+                decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
+            else:
+                decode.role.on_immediates_by_rank(cmd.slot, imms)
+            if now < self.stopped_until:  # (this node is alive: deliver, inlined)
+                self._held.append(partial(self.role.on_posted, cmd.req_id))
+            else:
+                self.role.on_posted(cmd.req_id)
+
+        sim.transfers.post(self.idx, req, cmd, self.pass_step, sim.rec, moved)
 
     def request(self, req_id: int, prompt_tokens: int, prompt: tuple[int, ...]) -> Request:
         return self.sim.requests[req_id]  # one object per request: its stamps are the table's
@@ -362,11 +399,8 @@ def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
         role = n.role
         if n.dead:
             loads[i] = math.inf
-        elif role.__class__ is DecodeRole and role.scheduler.__class__ is DecodeScheduler:
-            # len(role), inlined (DecodeRole.__len__ and DecodeScheduler.__len__): the router
-            # reads it for every node on every arrival
-            m, sched = role.messenger, role.scheduler
-            loads[i] = len(m.waiting) + len(m.inbound) + len(sched.ready) + len(sched.running)
+        elif role.__class__ is DecodeRole:  # len(role), inlined: read for every node on
+            loads[i] = len(role.requests)  # every arrival
         else:
             loads[i] = len(role)
     for _ in nodes:
@@ -457,44 +491,6 @@ class Sim:
         return 0 if prefill is None else prefill  # all dead: the handoff times out
 
     # ---- the simulated control plane and network -------------------------------------------
-    def send(self, sender: Node, role: str, node: int, msg: Message) -> None:
-        """Deliver `msg` to node `node` of `role` after the control-plane latency (and a
-        delay_control fault's delay, on either end)."""
-        target = self.prefills[node] if role == "prefill" else self.decodes[node]
-        latency = self.control_latency_s
-        if self.delays:
-            now = self.env._now
-            ends = (sender.name, target.name)
-            latency += sum(d for n, t0, t1, d in self.delays if n in ends and t0 <= now < t1)
-        on_message = partial(target.role.on_message, msg)
-        self.env.call(latency, lambda: target.deliver(on_message))
-
-    def post(
-        self, node: PrefillNode, cmd: PostWrites | PostMetadata, step: tuple[float, float] | None
-    ) -> None:
-        """Move a post's bytes; its immediates land on the decoder, then the prefill hears."""
-        req = self.requests[cmd.req_id]
-        pair = (node.idx, cmd.decode_node)
-        resets = self.drops.get(pair, 0) if self.drops else 0
-
-        def moved() -> None:
-            decode = self.decodes[cmd.decode_node]
-            if node.dead:
-                return
-            if decode.dead or (self.drops and self.drops.get(pair, 0) != resets):
-                why = "it is dead" if decode.dead else "the connection was reset"
-                error = f"{node.name} -> {decode.name}: {why}"
-                node.deliver(lambda: node.role.on_posted(cmd.req_id, False, error))
-                return
-            imms = self.transfers.immediates(req, cmd)
-            if self.env._now < decode.stopped_until:  # the writes land; the count waits
-                decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
-            else:
-                decode.role.on_immediates_by_rank(cmd.slot, imms)
-            node.deliver(partial(node.role.on_posted, cmd.req_id))
-
-        self.transfers.post(node.idx, req, cmd, step, self.rec, moved)
-
     # ---- faults ------------------------------------------------------------------------------
     def _check_fault(self, fault: Fault) -> None:
         if isinstance(fault, NicDown | NicDegrade) and fault.nic >= self.transfers.node.nics:

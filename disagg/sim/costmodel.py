@@ -88,6 +88,7 @@ class RooflineCost:
         self.nvlink = gpu.nvlink_bandwidth_bps * cost.allreduce_efficiency
         m, tp = model, group.tp
         self.gpus = tp * group.dp
+        self.is_moe, self.moe_layers = m.is_moe, m.moe_layers  # read by every step_time
         kv_shards = 1 if m.attention == "mla" else min(tp, m.kv_heads)
         # per GPU of one DP group, for that group's own sequences (heads split over its tp)
         self.kv_read_per_token = m.kv_bytes_per_token(kv_dtype) / kv_shards  # all layers
@@ -133,12 +134,12 @@ class RooflineCost:
         m = self.model
         flops = group_tokens * self.attn_flops_per_token + tokens * self.dense_flops_per_token
         dense = max(flops / self.flops, (self.attn_bytes + self.dense_bytes) / self.hbm)
-        if not m.is_moe or tokens == 0:
+        if not self.is_moe or tokens == 0:
             return dense
         routed = tokens * m.experts_per_token
         distinct = m.experts * (1 - (1 - m.experts_per_token / m.experts) ** tokens)
-        moe_flops = 2 * routed * m.expert_params * m.moe_layers / self.gpus
-        moe_bytes = distinct * m.expert_params * m.moe_layers * self.wbytes / self.gpus
+        moe_flops = 2 * routed * m.expert_params * self.moe_layers / self.gpus
+        moe_bytes = distinct * m.expert_params * self.moe_layers * self.wbytes / self.gpus
         return dense + max(moe_flops / self.flops, moe_bytes / self.hbm)
 
     def collective_s(self, nbytes: float, steps: int) -> float:
@@ -158,9 +159,9 @@ class RooflineCost:
         t = 0.0
         if g.tp > 1:  # two all-reduces per layer (attention output, MLP output)
             t += 2 * m.layers * self.allreduce_s(act)
-        if g.dp > 1 and m.is_moe:  # dispatch + combine of each token's top-k hidden states
+        if g.dp > 1 and self.is_moe:  # dispatch + combine of each token's top-k hidden states
             per_gpu = act * m.experts_per_token / g.tp
-            t += m.moe_layers * 2 * self.collective_s(per_gpu, self.gpus - 1)
+            t += self.moe_layers * 2 * self.collective_s(per_gpu, self.gpus - 1)
         return t
 
     def _elementwise(self, tokens: float, group_tokens: float) -> float:

@@ -226,10 +226,11 @@ class Network:
             ending.sort(key=lambda st: st.mask.bit_length())
         now = self.env._now
         for st in ending:
-            eps = EPS * max(1.0, len(st.work_s))
+            work: list[float] | None = None
             if len(st.work_s) == 1:  # its one part ends
-                done, work, going = st.flows, [], []
+                done = st.flows
             else:
+                eps = EPS * len(st.work_s)
                 pairs = list(zip(st.work_s, st.flows, strict=True))
                 work = [w for w, _ in pairs if w > eps]
                 going = [f for w, f in pairs if w > eps]

@@ -154,7 +154,7 @@ class TransferModel:
             if imms is None:
                 imms = self._meta_imms[id(pc)] = {pc.plan.dst_leader: 1}
             return imms
-        units = cmd.imm_pages * len(cmd.layers)
+        units = cmd.imm.count(True) * len(cmd.layers)  # cmd.imm_pages, inlined
         key = (id(pc), units)
         imms = self._imms.get(key)
         if imms is None:
