@@ -466,14 +466,15 @@ def hw_serve(
     bind: Annotated[str, typer.Option(help="Control socket to bind")] = "tcp://127.0.0.1:*",
     attention: Attention = None,
 ) -> None:
-    """Start one server for a multi-host run (see docs/hardware.md); it runs until the driver
-    says stop. Give it the driver's experiment and settings."""
+    """Start one node for a multi-host run (see docs/hardware.md), with all its ranks (tp x dp
+    processes) on this host; it runs until the driver says stop. Give it the driver's
+    experiment and settings."""
     _hw_missing()
     from disagg.config import load_experiment
     from disagg.hw.attention import parse_attention
-    from disagg.hw.driver import hw_experiment
+    from disagg.hw.driver import check_hw_experiment, hw_experiment
     from disagg.hw.protocol import NodeConfig
-    from disagg.hw.serve import serve
+    from disagg.hw.serve import serve_node
 
     if role not in ("prefill", "decode", "colocated"):
         raise ConfigError(f"--role {role!r}: use prefill, decode or colocated")
@@ -483,7 +484,8 @@ def hw_serve(
     )
     exp = hw_experiment(load_experiment(experiment, [*(set_ or []), *flags]))
     parse_attention(exp.hw.attention)
-    serve(NodeConfig(role, index, exp.model_dump(mode="json"), driver, bind))
+    check_hw_experiment(exp)  # a node of several ranks: what `disagg hw run` checks
+    serve_node(NodeConfig(role, index, exp.model_dump(mode="json"), driver, bind))
 
 
 @hw_app.command("profile")

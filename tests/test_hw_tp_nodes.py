@@ -205,7 +205,37 @@ def test_what_tp_nodes_do_not_run_yet_is_refused_naming_the_field(
         check_hw_experiment(exp)
 
 
-def test_a_tp_node_is_not_started_elsewhere() -> None:
-    exp = build_experiment(with_tp("tiny-gqa", 1, 2), ["hw.wire=tcp"])
-    with pytest.raises(ConfigError, match=r"cluster\.decode\.tp=2: .* started by `disagg hw run`"):
-        Driver(exp, external=("decode0",))
+def test_a_tp2_node_started_by_hw_serve_gives_the_colocated_tokens(
+    colocated, tmp_path: Path
+) -> None:
+    """`disagg hw serve` of a decode node of tp 2 starts both its ranks on this host, as the
+    driver would (how a multi-host run starts a TP node): the driver, which spawns only the
+    prefill node, gets the colocated run's tokens; no rank process or directory is left."""
+    import subprocess
+    import sys
+
+    model, reference = colocated
+    exp = build_experiment(with_tp(model, 1, 2), ["hw.wire=tcp", "kv.pages=64"])
+    run_dir = tmp_path / "experiment"
+    run_dir.mkdir()
+    (run_dir / "experiment.json").write_text(exp.model_dump_json())
+    shm = Path("/dev/shm")
+    before = set(shm.glob("disagg-*"))
+    driver = Driver(exp, external=("decode0",))
+    cli = [sys.executable, "-m", "disagg.cli", "hw", "serve", str(run_dir)]
+    serve = subprocess.Popen([*cli, "--role", "decode", "--driver", driver.control.endpoint])
+    try:
+        driver.start()
+        state = driver.replay()
+    finally:
+        driver.stop()
+        try:
+            serve.wait(60)
+        finally:
+            serve.kill()
+    assert serve.returncode == 0
+    assert {i: r.tokens for i, r in state.finished.items()} == {
+        i: r.tokens for i, r in reference.items()
+    }
+    assert all(r.status == "finished" for r in state.finished.values())
+    assert set(shm.glob("disagg-*")) <= before  # the node's rank directory is gone

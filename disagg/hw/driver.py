@@ -19,10 +19,9 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +71,7 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
-from disagg.hw.ranks import LOST_GROUP, follow
+from disagg.hw.ranks import LOST_GROUP, follow, rank_dir
 from disagg.hw.serve import serve
 from disagg.hw.tp import TensorParallel
 from disagg.settings import HW_PAGES
@@ -225,12 +224,6 @@ class Driver:
         exp = hw_experiment(exp)
         parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
-        for name, g in exp.cluster.groups.items():
-            if g.gpus_per_node > 1 and any(e.startswith(name) for e in external):
-                raise ConfigError(
-                    f"{ranks_label(name, g)}: a node of several ranks is started by `disagg hw "
-                    "run` itself, not elsewhere (disagg hw serve runs tp=1, dp=1)"
-                )
         self.exp, self.hw, self.external = exp, exp.hw, external
         self.control = Control(
             "driver",
@@ -289,14 +282,14 @@ class Driver:
         self._gather(Started, 120.0, "connect")
 
     def with_tp_dir(self, cfg: NodeConfig) -> NodeConfig:
-        """`cfg` with a directory of its own for its ranks to share, if it has several (in
-        shared memory where the host has it; removed by `stop`)."""
-        if cfg.ranks == 1:
+        """`cfg` with a directory of its own for its ranks to share, if it has several and is
+        started here (`rank_dir`; removed by `stop`). `disagg hw serve` makes an external
+        node's."""
+        if cfg.ranks == 1 or cfg.name in self.external:
             return cfg
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        tp_dir = tempfile.mkdtemp(prefix=f"disagg-{cfg.name}-", dir=shm)
-        self.tp_dirs.append(tp_dir)
-        return replace(cfg, tp_dir=tp_dir)
+        cfg = rank_dir(cfg)
+        self.tp_dirs.append(cfg.tp_dir)
+        return cfg
 
     def _gather(self, kind: type, timeout_s: float, what: str) -> dict[str, Any]:
         names = {c.name for c in self.configs}

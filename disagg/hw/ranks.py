@@ -28,7 +28,9 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,6 +57,13 @@ def region(layer: int, rank: int) -> str:
 
 def device_of(cfg: NodeConfig, exp: Experiment) -> str:
     return exp.hw.prefill_device if cfg.role == "prefill" else exp.hw.decode_device
+
+
+def rank_dir(cfg: NodeConfig) -> NodeConfig:
+    """`cfg` with a new directory for its ranks to share (the group's store, each rank's KV
+    memory), in shared memory where the host has it; the caller removes it when the node ends."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return replace(cfg, tp_dir=tempfile.mkdtemp(prefix=f"disagg-{cfg.name}-", dir=shm))
 
 
 def world(cfg: NodeConfig) -> str:

@@ -1,8 +1,11 @@
-"""The process body of a server: build the server of its role and run it until Shutdown."""
+"""The process body of a server: build the server of its role and run it until Shutdown;
+and `serve_node`, one node with all its ranks on this host (what `disagg hw serve` starts)."""
 
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing as mp
+import shutil
 import signal
 
 from disagg.config import Experiment
@@ -14,6 +17,7 @@ from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.node import Server
 from disagg.hw.prefill import PrefillServer
 from disagg.hw.protocol import NodeConfig, Records
+from disagg.hw.ranks import follow, rank_dir
 
 SERVERS: dict[str, type[Server]] = {
     "prefill": PrefillServer,
@@ -48,3 +52,33 @@ def serve(cfg: NodeConfig) -> None:
         control.close(linger_s=5.0)
         return
     server.run()
+
+
+FOLLOWER_EXIT_S = 30.0  # how long a node's followers get to end after its leader has
+
+
+def serve_node(cfg: NodeConfig) -> None:
+    """Node `cfg` on this host, as `disagg hw run` starts one: its leader (rank 0, the server)
+    in this process and each follower rank in a process of its own, sharing a directory
+    (`rank_dir`) that is removed at the end. Followers that outlive the leader by
+    FOLLOWER_EXIT_S are killed (the leader tells them to stop as it ends)."""
+    if cfg.ranks == 1:
+        serve(cfg)
+        return
+    cfg = rank_dir(cfg)
+    ctx = mp.get_context("spawn")
+    followers = [
+        ctx.Process(target=follow, args=(cfg, r), name=cfg.rank_name(r), daemon=True)
+        for r in range(1, cfg.ranks)
+    ]
+    try:
+        for proc in followers:
+            proc.start()
+        serve(cfg)
+    finally:
+        for proc in followers:
+            proc.join(FOLLOWER_EXIT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(cfg.tp_dir, ignore_errors=True)
