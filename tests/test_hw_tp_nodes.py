@@ -3,8 +3,8 @@ processes (disagg.hw.ranks), its leader's one wire moving every rank's pages, an
 disaggregated run gives the colocated TP1 run's tokens, and its logits to float32 rounding, for
 every TP pairing of the two sides.
 
-CPU, float32, tiny models, gloo and the tcp wire (what CI runs): at most five processes at once
-(the driver and two nodes of two ranks).
+CPU, float32, tiny models, gloo and the tcp wire (what CI runs): at most seven processes at
+once (the driver, a node of two ranks and one of four: TP2 <-> TP4, the KV heads replicated).
 """
 
 from __future__ import annotations
@@ -239,3 +239,23 @@ def test_a_tp2_node_started_by_hw_serve_gives_the_colocated_tokens(
     }
     assert all(r.status == "finished" for r in state.finished.values())
     assert set(shm.glob("disagg-*")) <= before  # the node's rank directory is gone
+
+
+@pytest.mark.parametrize(
+    ("tps", "layout"),
+    [((2, 4), "HND"), ((4, 2), "NHD"), ((2, 1), "NHD")],
+    ids=["TP2-TP4-HND", "TP4-TP2-NHD", "TP2-TP1-NHD"],
+)
+@pytest.mark.parametrize("colocated", ["tiny-gqa"], indirect=True)  # up to seven processes
+def test_tp_mismatch_with_kv_heads_replicated_gives_the_colocated_tokens(
+    colocated, tps: tuple[int, int], layout: str, tmp_path: Path
+) -> None:
+    """At TP4 tiny-gqa's 2 KV heads are each held by two ranks (the planner's replicas): a TP2
+    prefill writes each head to both ranks that hold it, a TP4 prefill has each TP2 rank's
+    head written from one of its two holders; in either page layout the decode ranks' pages
+    give the colocated TP1 run's tokens and logits."""
+    model, reference = colocated
+    data = with_tp(model, *tps)
+    data["kv"]["layout"] = layout
+    summary, state = run(tmp_path, "disagg", data)
+    assert_same_outputs(summary, state, reference)
