@@ -78,7 +78,7 @@ def join_node(cfg: NodeConfig, rank: int, timeout_s: float) -> TensorParallel:
     if not cfg.tp_dir:
         raise ConfigError(
             f"cluster.{cfg.role}: tp={cfg.tp} x dp={cfg.dp} needs the node's ranks started "
-            "together, by `disagg hw run` (a node started alone runs tp=1, dp=1)"
+            "together, with a directory to share: by `disagg hw run`, or `disagg hw serve`"
         )
     if not 0 <= rank < cfg.ranks:
         raise ConfigError(f"rank {rank} is outside {cfg.name}'s world of {world(cfg)} ranks")
