@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -272,36 +272,112 @@ def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
     return costs
 
 
-CHUNK_BINS = 4  # ranges of chunk tokens the calibration's chunk offsets are measured over
+PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
+PASS_COLUMNS = ["kind", "size", "hw_n", "sim_n", "hw_device_s", "sim_device_s", "hw_host_s"]
+PASS_COLUMNS += ["sim_host_s"]
 
 
-def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = CHUNK_BINS) -> list[list[float]]:
-    """`[cost] profile_chunk_offsets` from a serving run's steps (`hw`) and its replay's on the
-    profile (`sim`): the run's passes with a prompt chunk in `bins` ranges of chunk tokens (the
-    run's quantiles), per range its median tokens and its median device time less the
-    replay's in the same range. [] where passes have no device times (the CPU)."""
+def _ranges(values: pd.Series, bins: int) -> list[tuple[float, float, bool]]:
+    """`bins` ranges of `values` between its quantiles, as (low, high, last): a range holds
+    its low end, and the last one its high end too (one range if all values are equal)."""
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    if len(edges) == 1:
+        return [(float(edges[0]), float(edges[0]), True)]
+    pairs = list(itertools.pairwise(edges))
+    return [(float(lo), float(hi), k == len(pairs) - 1) for k, (lo, hi) in enumerate(pairs)]
 
-    def chunked(steps: pd.DataFrame) -> pd.DataFrame:
-        return steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
 
-    h, r = chunked(hw), chunked(sim)
-    if len(h) < bins:
-        return []
-    edges = np.unique(np.quantile(h.prefill_tokens, np.linspace(0, 1, bins + 1)))
-    points = []
-    for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
-        last = k == len(edges) - 2  # the last range holds its upper end
-
-        def inside(t: pd.DataFrame, lo: float = lo, hi: float = hi, last: bool = last) -> pd.Series:
-            return (t.prefill_tokens >= lo) & (
-                (t.prefill_tokens <= hi) if last else (t.prefill_tokens < hi)
+def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:
+    """A run's passes against its replay's, where they have device times: those with a prompt
+    chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
+    in ranges of batch size (the run's quantiles); per range the run's median size, each
+    side's passes and their median device and host (duration less device) seconds per pass
+    (a steps row of several passes counts as that many). Columns PASS_COLUMNS; no rows
+    without device times (the CPU)."""
+    rows = []
+    for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
+        h, r = (
+            t[((t.prefill_tokens > 0) == (kind == "chunk")) & t.device_s.notna()] for t in (hw, sim)
+        )
+        if h.empty or r.empty:
+            continue
+        for lo, hi, last in _ranges(h[size], bins):
+            a, b = (
+                t[(t[size] >= lo) & ((t[size] <= hi) if last else (t[size] < hi))] for t in (h, r)
             )
+            if a.empty or b.empty:
+                continue
+            (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
+            rows.append(
+                (
+                    kind,
+                    float(np.median(np.repeat(a[size].to_numpy(float), _steps(a)))),
+                    an,
+                    bn,
+                    ad,
+                    bd,
+                    ah,
+                    bh,
+                )
+            )
+    return pd.DataFrame(rows, columns=PASS_COLUMNS)
 
-        ih, ir = inside(h), inside(r)
-        if ih.any() and ir.any():
-            over = float(h.device_s[ih].median()) - float(r.device_s[ir].median())
-            points.append([float(h.prefill_tokens[ih].median()), over])
-    return points
+
+def _steps(rows: pd.DataFrame) -> np.ndarray:
+    """Passes per steps row (a simulated run of identical decode passes is one row)."""
+    return rows.steps.to_numpy(int) if "steps" in rows else np.ones(len(rows), int)
+
+
+def _per_pass(rows: pd.DataFrame) -> tuple[float, float, int]:
+    """(median device s, median host s, passes) over the passes of steps rows."""
+    n = _steps(rows)
+    device = rows.device_s.to_numpy(float) / n
+    host = (rows.duration_s.to_numpy(float) - rows.device_s.to_numpy(float)) / n
+    return (
+        float(np.median(np.repeat(device, n))),
+        float(np.median(np.repeat(host, n))),
+        int(n.sum()),
+    )
+
+
+def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
+    """`[cost] profile_chunk_offsets` from a serving run's steps (`hw`) and its replay's on the
+    profile (`sim`): per range of chunk tokens of `pass_table`, its median tokens and the
+    run's median device time less the replay's. [] without device times (the CPU)."""
+    t = pass_table(hw, sim)
+    t = t[t.kind == "chunk"]
+    return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
+
+
+def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
+    """out/passes.csv (PASS_COLUMNS with each run's label first) and out/passes.md (device
+    time per pass, ms, hw and profile replay, by run and range)."""
+    both = [t.assign(run=label) for label, t in tables.items() if not t.empty]
+    table = (
+        pd.concat(both)[["run", *PASS_COLUMNS]]
+        if both
+        else pd.DataFrame(columns=["run", *PASS_COLUMNS])
+    )
+    table.to_csv(out / "passes.csv", index=False)
+    lines = [
+        "# Passes: device time, hw against the profile replay",
+        "",
+        "Median device time of the passes in each range (ms); size: median chunk tokens (chunk)",
+        "or batch (decode); host: duration less device (ms). No rows: no device times.",
+        "",
+        "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | host hw "
+        "| host sim |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in table.to_dict("records"):
+        hw_s, sim_s = float(row["hw_device_s"]), float(row["sim_device_s"])
+        lines.append(
+            f"| {row['run']} | {row['kind']} | {float(row['size']):g} | "
+            f"{row['hw_n']} / {row['sim_n']} | {hw_s * 1e3:.2f} | {sim_s * 1e3:.2f} | "
+            f"{sim_s / hw_s:.3f} | {float(row['hw_host_s']) * 1e3:.2f} | "
+            f"{float(row['sim_host_s']) * 1e3:.2f} |"
+        )
+    (out / "passes.md").write_text("\n".join(lines) + "\n")
 
 
 def measure_loop(
@@ -412,7 +488,22 @@ def replay_all(
                 say(f"replay {i}/{len(labels)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
     report = Report(table, write_report(table, tolerances, out))
-    report.files = [out / "fidelity.csv", out / "fidelity.md"]
+    pass_report(
+        {
+            label: pass_table(
+                pd.read_parquet(hw / label / "steps.parquet"),
+                pd.read_parquet(out / "sim-profile" / label / "steps.parquet"),
+            )
+            for label in labels
+        },
+        out,
+    )
+    report.files = [
+        out / "fidelity.csv",
+        out / "fidelity.md",
+        out / "passes.csv",
+        out / "passes.md",
+    ]
     report.files.append(plot_ratios(table, out / "fidelity_ratios.png"))
     report.files.append(plot_cdfs(requests, out / "fidelity_cdfs.png"))
     return report

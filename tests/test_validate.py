@@ -13,7 +13,7 @@ import pytest
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
-from disagg.validate import chunk_offsets, loop_costs, pass_gaps
+from disagg.validate import PASS_COLUMNS, chunk_offsets, loop_costs, pass_gaps, pass_table
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -162,25 +162,53 @@ def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
     }
 
 
-def test_chunk_offsets_are_each_token_ranges_median_device_time_beyond_the_replays() -> None:
-    """Eight chunk passes of 100-800 tokens (and decode passes, left out) in four ranges of two;
-    the run's device time is the replay's + 10 ms for the smallest range, + 5 / 0 / -3 ms for
-    the others; the replay's passes of a range need not be the run's."""
+def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay() -> None:
+    """Eight chunk passes of 100-800 tokens in four ranges of two: the run's device time is the
+    replay's + 10 ms in the smallest range, + 5 / 0 / -3 ms in the others (the replay's passes
+    of a range need not be the run's); host time 2 ms on the run, 1 on the replay. Two decode
+    passes of batch 4 and one of batch 8: ranges of one batch size each."""
     tokens = [100, 200, 300, 400, 500, 600, 700, 800]
     beyond = [0.01, 0.01, 0.005, 0.005, 0.0, 0.0, -0.003, -0.003]
     replayed = [0.02 + 1e-5 * n for n in tokens]
+    device = [r + b for r, b in zip(replayed, beyond, strict=True)] + [0.006, 0.007, 0.009]
     hw = pd.DataFrame(
         {
-            "prefill_tokens": [*tokens, 0, 0],
-            "device_s": [r + b for r, b in zip(replayed, beyond, strict=True)] + [0.006] * 2,
+            "prefill_tokens": [*tokens, 0, 0, 0],
+            "batch_size": [1] * 8 + [4, 4, 8],
+            "device_s": device,
+            "duration_s": [d + 0.002 for d in device],
         }
     )
-    sim = pd.DataFrame({"prefill_tokens": [*tokens[::-1], 0], "device_s": [*replayed[::-1], 1.0]})
-    points = chunk_offsets(hw, sim)
+    sim_device = [*replayed[::-1], 0.0065, 0.0085]
+    sim = pd.DataFrame(
+        {
+            "prefill_tokens": [*tokens[::-1], 0, 0],
+            "batch_size": [1] * 8 + [4, 8],
+            "device_s": sim_device,
+            "duration_s": [d + 0.001 for d in sim_device],
+        }
+    )
+    t = pass_table(hw, sim)
+    assert list(t.columns) == PASS_COLUMNS
+    chunk, decode = t[t.kind == "chunk"], t[t.kind == "decode"]
     # ranges [100, 275), [275, 450), [450, 625), [625, 800]: medians of each side's passes
-    assert [n for n, _ in points] == [150, 350, 550, 750]
-    assert [o for _, o in points] == pytest.approx([0.01, 0.005, 0.0, -0.003])
+    assert list(chunk["size"]) == [150, 350, 550, 750]
+    assert list(chunk.hw_n) == list(chunk.sim_n) == [2, 2, 2, 2]
+    assert list(chunk.hw_device_s - chunk.sim_device_s) == pytest.approx([0.01, 0.005, 0, -0.003])
+    assert list(chunk.hw_host_s) == pytest.approx([0.002] * 4)
+    assert list(chunk.sim_host_s) == pytest.approx([0.001] * 4)
+    # batch quantiles 4, 4, 4, 6, 8: ranges [4, 6) and [6, 8]
+    assert list(decode["size"]) == [4, 8] and list(decode.hw_n) == [2, 1]
+    assert list(decode.hw_device_s) == pytest.approx([0.0065, 0.009])
+    assert list(decode.sim_device_s) == pytest.approx([0.0065, 0.0085])
+    assert chunk_offsets(hw, sim) == [
+        [150, pytest.approx(0.01)],
+        [350, pytest.approx(0.005)],
+        [550, pytest.approx(0.0)],
+        [750, pytest.approx(-0.003)],
+    ]
     assert chunk_offsets(hw.assign(device_s=math.nan), sim) == []  # the CPU: no device times
+    assert pass_table(hw.assign(device_s=math.nan), sim).empty
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:
@@ -303,6 +331,9 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         assert ratios[run] == [
             (pytest.approx(p, rel=6e-4), pytest.approx(q, rel=6e-4)) for p, q in want
         ]
+    # the pass-by-pass comparison: on the CPU no pass has a device time, so no rows
+    assert list(pd.read_csv(out / "passes.csv").columns) == ["run", *PASS_COLUMNS]
+    assert (out / "passes.md").read_text().startswith("# Passes: device time")
     for name in ("fidelity_ratios.png", "fidelity_cdfs.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / name).stat().st_size > 10_000
