@@ -372,22 +372,19 @@ class ProfileCost:
         """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
         (its host time and `pass_overhead_s` are in a)."""
         a, b = self._device_line(seqs)
-        return a + self._host("decode", seqs) + self.pass_overhead_s, b
+        return a + self.host_s(False, seqs), b
 
     def host_s(self, prefill: bool, decodes: int) -> float:
         """The part of a pass's step time that is not device time (its host time and
         `pass_overhead_s`): a pass with a prompt chunk (`prefill`) and `decodes` decodes."""
-        kind = "mixed" if prefill and decodes else "prefill" if prefill else "decode"
-        return self._host(kind, decodes + prefill) + self.pass_overhead_s
-
-    def _host(self, kind: str, seqs: int) -> float:
-        """Host time of a pass of `kind` with `seqs` sequences."""
         if self.run_host is not None:
             decode, chunk, per_seq = self.run_host
-            return (decode if kind == "decode" else chunk) + per_seq * seqs
-        if kind == "decode":
-            return self.decode_host_s
-        return self.prefill_host_s if kind == "prefill" else self.mixed_host_s
+            host = (chunk if prefill else decode) + per_seq * (decodes + prefill)
+        elif not prefill:
+            host = self.decode_host_s
+        else:
+            host = self.mixed_host_s if decodes else self.prefill_host_s
+        return host + self.pass_overhead_s
 
     def _device_line(self, seqs: int) -> tuple[float, float]:
         line = self._lines.get(seqs)
@@ -423,25 +420,15 @@ class ProfileCost:
         if s.decode_seqs and s.decode_context / s.decode_seqs > self.max_decode_context:
             beyond = True
         self.extrapolated += beyond
-        t = 0.0
-        if s.prefill_tokens:
-            n = s.prefill_tokens
-            context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0)
-            t += self._prefill_time(n, context)
-        if s.decode_seqs:
-            t += self._decode_time(s.decode_seqs, s.decode_context)
-        seqs = s.decode_seqs + (s.prefill_tokens > 0)
-        if s.prefill_tokens and s.decode_seqs:
-            offset = self.mixed_offset(s.decode_seqs, s.prefill_tokens)
-            offset += self.chunk_offset(s.prefill_tokens)
-            t = max(t + offset, 0.0) + self._host("mixed", seqs)
-        elif s.prefill_tokens:
-            t = max(t + self.chunk_offset(s.prefill_tokens), 0.0) + self._host("prefill", seqs)
-        elif s.decode_seqs:
-            t += self._host("decode", seqs)
-        else:
+        n, d = s.prefill_tokens, s.decode_seqs
+        if not (n or d):
             return 0.0  # no pass
-        return t + self.pass_overhead_s
+        t = self._decode_time(d, s.decode_context) if d else 0.0
+        if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
+            context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0)
+            offset = self.chunk_offset(n) + (self.mixed_offset(d, n) if d else 0.0)
+            t = max(self._prefill_time(n, context) + t + offset, 0.0)
+        return t + self.host_s(n > 0, d)
 
 
 def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
