@@ -273,8 +273,10 @@ def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
 
 
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
-PASS_COLUMNS = ["kind", "size", "hw_n", "sim_n", "hw_device_s", "sim_device_s", "hw_host_s"]
-PASS_COLUMNS += ["sim_host_s"]
+PASS_COLUMNS = [
+    *("kind", "size", "hw_n", "sim_n"),
+    *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s"),
+]
 
 
 def _ranges(values: pd.Series, bins: int) -> list[tuple[float, float, bool]]:
@@ -380,6 +382,24 @@ def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
     (out / "passes.md").write_text("\n".join(lines) + "\n")
 
 
+def profiled(csv: Path, costs: dict[str, Any]) -> list[str]:
+    """The overrides of a replay on the profile `csv` with the loop calibration's `costs`."""
+    return [f"cost.source=profile:{csv}", *(f"cost.{k}={v!r}" for k, v in costs.items())]
+
+
+def described(costs: dict[str, Any]) -> str:
+    """The loop calibration's `costs` in words, for the progress line."""
+    parts = []
+    for key, value in costs.items():
+        name = key.removeprefix("profile_")
+        if isinstance(value, float):
+            parts.append(f"{name} {value * 1e3:.3g} ms")
+        else:  # the chunk offsets: (tokens, s) points
+            points = ", ".join(f"{o * 1e3:+.3g} ms at {n:g} tokens" for n, o in value)
+            parts.append(f"{name} {points}")
+    return ", ".join(parts)
+
+
 def measure_loop(
     exps: Sequence[Experiment],
     out: Path,
@@ -404,11 +424,7 @@ def measure_loop(
     steps = pd.read_parquet(out / "steps.parquet")
     costs = loop_costs(steps)
     if "device_s" in steps and steps.device_s.notna().any():
-        profiled = [
-            f"cost.source=profile:{profile_csv}",
-            *(f"cost.{k}={v!r}" for k, v in costs.items()),
-        ]
-        replay(out, [*sim_overrides, *profiled], out / "replay")
+        replay(out, [*sim_overrides, *profiled(profile_csv, costs)], out / "replay")
         offsets = chunk_offsets(steps, pd.read_parquet(out / "replay" / "steps.parquet"))
         if offsets:
             costs["profile_chunk_offsets"] = offsets
@@ -436,14 +452,7 @@ def validate(
     rates = _rates(exps, csv, opts, say)
     middle = sorted(rates)[(len(rates) - 1) // 2]  # of two, the lower
     costs = measure_loop(exps, out / "calibration", middle, csv, opts.sim_overrides)
-    said = ", ".join(
-        f"{k.removeprefix('profile_')} {v * 1e3:.3g} ms"
-        if isinstance(v, float)
-        else f"{k.removeprefix('profile_')} "
-        + ", ".join(f"{o * 1e3:+.3g} ms at {n:g} tokens" for n, o in v)
-        for k, v in costs.items()
-    )
-    say(f"serving loop (a run of its own at {middle:g} req/s): {said}")
+    say(f"serving loop (a run of its own at {middle:g} req/s): {described(costs)}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s
@@ -472,13 +481,13 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
-    profiled = [f"cost.source=profile:{csv}", *(f"cost.{k}={v!r}" for k, v in costs.items())]
+    sources = (("sim_profile", profiled(csv, costs)), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}
     for i, label in enumerate(labels, 1):
         summaries[label] = {"hw": json.loads((hw / label / "summary.json").read_text())}
         requests[label] = {"hw": pd.read_parquet(hw / label / "requests.parquet")}
-        for source, cost in (("sim_profile", profiled), ("sim_roofline", ["cost.source=roofline"])):
+        for source, cost in sources:
             say(f"replay {i}/{len(labels)}: {label} ({source.removeprefix('sim_')})")
             where = out / source.replace("_", "-") / label
             summary, req = replay(hw / label, [*sim_overrides, *cost], where)
