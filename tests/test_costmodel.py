@@ -202,6 +202,26 @@ def test_profile_cost_interpolates(tmp_path: Path) -> None:
     assert c.step_time(StepShape(decode_seqs=8, decode_context=16000)) == pytest.approx(0.0116)
 
 
+def test_a_profile_of_chunks_without_context_holds_their_time_for_later_chunks(
+    tmp_path: Path,
+) -> None:
+    """Prefill rows at context 0 only (every prompt fit one chunk when it was profiled): a
+    chunk after cached tokens costs what the same chunk costs alone, and is counted as beyond
+    the grid, not divided by the zero context."""
+    rows = ["kind,tokens,batch,context,duration_s"]
+    rows += [f"prefill,{n},1,0,{0.001 * n / 512}" for n in (512, 1024)]
+    rows += [f"decode,{b},{b},1000,{0.01 * b}" for b in (1, 8)]
+    path = tmp_path / "p.csv"
+    path.write_text("\n".join(rows) + "\n")
+    c = ProfileCost(path)
+    alone = StepShape(prefill_tokens=768, prefill_attn_pairs=768 * 769 / 2)
+    later = StepShape(prefill_tokens=768, prefill_attn_pairs=768 * 769 / 2 + 768 * 2000)
+    assert c.step_time(alone) == pytest.approx(0.0015)
+    assert c.extrapolated == 0
+    assert c.step_time(later) == pytest.approx(0.0015)
+    assert c.extrapolated == 1
+
+
 def test_profile_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         ProfileCost(tmp_path / "none.csv")

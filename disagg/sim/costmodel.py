@@ -297,6 +297,7 @@ class ProfileCost:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
         self._lines: dict[int, tuple[float, float]] = {}  # _device_line by batch size
         self.max_prefill_tokens = int(df[df.kind == "prefill"].tokens.max())
+        self.max_prefill_context = float(self._contexts[-1])
         self.max_decode_batch = int(self.decode.index.get_level_values(0).max())
         self.max_decode_context = int(self.decode.index.get_level_values(1).max())
         self.passes = 0  # passes costed
@@ -414,18 +415,18 @@ class ProfileCost:
 
     def step_time(self, s: StepShape) -> float:
         self.passes += 1
-        beyond = s.prefill_tokens > self.max_prefill_tokens or s.decode_seqs > (
-            self.max_decode_batch
-        )
-        if s.decode_seqs and s.decode_context / s.decode_seqs > self.max_decode_context:
-            beyond = True
-        self.extrapolated += beyond
         n, d = s.prefill_tokens, s.decode_seqs
+        context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0) if n else 0.0  # the chunk's
+        self.extrapolated += (
+            n > self.max_prefill_tokens
+            or context > self.max_prefill_context
+            or d > self.max_decode_batch
+            or (d > 0 and s.decode_context / d > self.max_decode_context)
+        )
         if not (n or d):
             return 0.0  # no pass
         t = self._decode_time(d, s.decode_context) if d else 0.0
         if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
-            context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0)
             offset = self.chunk_offset(n) + (self.mixed_offset(d, n) if d else 0.0)
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
         return t + self.host_s(n > 0, d)
@@ -433,8 +434,9 @@ class ProfileCost:
 
 def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
     """Piecewise-linear through (xs, ys): the first value below xs[0], the last segment
-    extended above xs[-1] (one point: proportional to x above it)."""
-    if x <= xs[0]:
+    extended above xs[-1] (one point: proportional to x above it, or, at 0, the same value:
+    a profile of chunks without cached context says nothing of how context adds)."""
+    if x <= xs[0] or (len(xs) == 1 and xs[0] <= 0):
         return float(ys[0])
     if len(xs) == 1:
         return float(ys[0]) * x / xs[0]
