@@ -81,21 +81,21 @@ def test_dp_attention_of_a_gqa_model_is_refused_naming_it() -> None:
     refused(with_tp("tiny-gqa", 1, 1), ["cluster.decode.dp=2"], match)
 
 
-def test_a_node_of_several_ranks_on_cuda_is_refused_before_any_process() -> None:
-    """Without NCCL (a CPU build of torch, as CI's) the error says so; with it, that the ranks
-    of a node share their KV pages through host memory, which GPU pages are not."""
-    if dist.is_nccl_available():
-        match = r"cluster\.decode\.tp=2 on cuda: a node of several ranks runs on the CPU only"
-    else:
-        match = (
-            r"cluster\.decode\.tp=2 on cuda needs NCCL, and this torch build has none "
-            r"\(torch\.distributed\.is_nccl_available\(\) is False\)"
-        )
+def test_a_node_of_several_ranks_on_cuda_is_refused_over_a_wire_of_host_memory() -> None:
+    """Its leader holds its followers' GPU pages as CUDA IPC mappings: the cuda wire only (the
+    rules of its ranks' devices and collectives: tests/test_hw_tp_cuda.py)."""
+    match = (
+        r"cluster\.decode\.tp=2 on cuda: a node of several ranks on GPUs runs over the cuda "
+        r"wire only, not the tcp wire"
+    )
     refused(with_tp("tiny-mla", 1, 2), ["hw.decode_device=cuda"], match)
 
 
-def test_a_node_of_several_ranks_over_another_wire_is_refused() -> None:
-    match = r"cluster\.decode: tp=1 x dp=2: a node of several ranks runs over the tcp wire only"
+def test_a_node_of_several_ranks_on_the_cpu_over_another_wire_is_refused() -> None:
+    match = (
+        r"cluster\.decode: tp=1 x dp=2: a node of several ranks on the CPU runs over the tcp "
+        r"wire only, not the cuda wire"
+    )
     refused(with_tp("tiny-mla", 1, 1), ["cluster.decode.dp=2", "hw.wire=cuda"], match)
 
 

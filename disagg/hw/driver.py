@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch.distributed as dist
+import torch
 
 from disagg.config import Experiment, GroupConfig
 from disagg.core.metrics import (
@@ -71,7 +71,7 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
-from disagg.hw.ranks import LOST_GROUP, follow, rank_dir
+from disagg.hw.ranks import LOST_GROUP, collective_backend, follow, rank_devices, rank_dir
 from disagg.hw.serve import serve
 from disagg.hw.tp import TensorParallel
 from disagg.settings import HW_PAGES
@@ -168,8 +168,9 @@ def ranks_label(role: str, g: GroupConfig) -> str:
 def check_hw_experiment(exp: Experiment) -> None:
     """ConfigError unless the hw backend can run every node of the experiment: any number of
     nodes per role; a node of several ranks (tp x dp, one process each, disagg.hw.ranks; dp
-    attention groups for MLA models) only on the CPU over the tcp wire, for now, and only
-    where its ranks split every weight of the model. Checked before any process starts."""
+    attention groups for MLA models) on the CPU over the tcp wire, on GPUs over the cuda wire
+    (NCCL where its ranks have a GPU each, as this host's GPUs place them), and only where its
+    ranks split every weight of the model. Checked before any process starts."""
     spec = exp.model.spec
     for role, g in exp.cluster.groups.items():
         device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
@@ -182,24 +183,23 @@ def check_hw_experiment(exp: Experiment) -> None:
             )
         if g.gpus_per_node == 1:
             continue
+        if device == "cpu" and exp.hw.wire != "tcp":
+            raise ConfigError(
+                f"{ranks}: a node of several ranks on the CPU runs over the tcp wire only, not "
+                f"the {exp.hw.wire} wire (its ranks share their KV pages as host memory): --set "
+                f"hw.wire=tcp, or cluster.{role}.tp=1 cluster.{role}.dp=1"
+            )
         if device != "cpu":
-            if not dist.is_nccl_available():
+            devices = rank_devices(device, g.gpus_per_node, torch.cuda.device_count())
+            collective_backend(devices, role, ranks)
+            if exp.cluster.mode == "disagg" and exp.hw.wire != "cuda":
                 raise ConfigError(
-                    f"{ranks} on {device} needs NCCL, and this torch build has none "
-                    "(torch.distributed.is_nccl_available() is False): install a CUDA build "
-                    f"of torch, or --set cluster.{role}.tp=1 cluster.{role}.dp=1"
+                    f"{ranks} on {device}: a node of several ranks on GPUs runs over the cuda "
+                    f"wire only, not the {exp.hw.wire} wire (its leader holds its followers' "
+                    "pages as CUDA IPC mappings, which the tcp wire, of host memory, cannot "
+                    "move and the verbs wire does not register): --set hw.wire=cuda, or "
+                    f"cluster.{role}.tp=1 cluster.{role}.dp=1"
                 )
-            raise ConfigError(
-                f"{ranks} on {device}: a node of several ranks runs on the CPU only (its ranks "
-                "share their KV pages through host memory, which GPU pages are not): --set "
-                f"cluster.{role}.tp=1 cluster.{role}.dp=1, or the {role} device cpu"
-            )
-        if exp.hw.wire != "tcp":
-            raise ConfigError(
-                f"{ranks}: a node of several ranks runs over the tcp wire only, not the "
-                f"{exp.hw.wire} wire: --set hw.wire=tcp, or cluster.{role}.tp=1 "
-                f"cluster.{role}.dp=1"
-            )
         if g.gpus_per_node > MAX_RANKS:
             raise ConfigError(
                 f"{ranks}: an immediate names at most {MAX_RANKS} ranks of a node, not "

@@ -37,6 +37,7 @@ from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
 from disagg.errors import DisaggError, ProtocolError, TransportError
 from disagg.hw import latency
 from disagg.hw.auth import control_secret
+from disagg.hw.cache import KVCache
 from disagg.hw.control import Control
 from disagg.hw.device import resolve_device
 from disagg.hw.protocol import (
@@ -51,7 +52,7 @@ from disagg.hw.protocol import (
     Started,
     Submit,
 )
-from disagg.hw.ranks import LeaderRunner, join_node, rank_model, region, shared_cache
+from disagg.hw.ranks import LeaderRunner, join_node, node_caches, rank_model, register_pages
 from disagg.hw.runner import GRAPH_BATCHES, Runner
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Transport
@@ -102,17 +103,21 @@ class Server:
         self.model = rank_model(cfg, self.exp, self.tp)
         kv = self.exp.kv
         pages = kv.pages or HW_PAGES
-        # every rank's KV pages, by rank: the leader's wire moves them all
-        self.rank_caches = (
-            [self.model.new_cache(pages, kv.page_size, kv.layout)]
-            if self.tp is None
-            else [shared_cache(cfg, self.exp, self.model, r) for r in range(cfg.ranks)]
-        )
+        # every rank's KV pages, by rank: the leader's wire moves them all (those it maps from
+        # a follower's GPU registered with the follower's export of them)
+        self.rank_caches: list[KVCache]
+        self.exported: dict[int, list[dict[str, Any]]] = {}
+        if self.tp is None:
+            self.rank_caches = [self.model.new_cache(pages, kv.page_size, kv.layout)]
+        else:
+            self.rank_caches, self.exported = node_caches(cfg, self.exp, self.model, self.tp)
         self.cache = self.rank_caches[0]
         self.pool = PagePool(pages, kv.page_size, cfg.name)
         # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
-        # replay, and first capture, a decode graph); the others capture theirs at start
-        graphs = () if self.kind == "prefill" else GRAPH_BATCHES
+        # replay, and first capture, a decode graph), and so do a leader's (its followers run
+        # theirs eagerly, and a graph would replay its collectives without them); the others
+        # capture theirs at start
+        graphs = () if self.kind == "prefill" or self.tp is not None else GRAPH_BATCHES
         runner = Runner if self.tp is None else LeaderRunner
         self.runner = runner(
             self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
@@ -175,11 +180,7 @@ class Server:
 
     def announce(self) -> None:
         self.wire = make_transport(self.hw.wire, endpoint=self.cfg.name, **self.wire_options())
-        regions = [
-            self.wire.register(region(i, rank), cache.layer_bytes(i)).to_dict()
-            for rank, cache in enumerate(self.rank_caches)
-            for i in range(self.layers)
-        ]
+        regions = [d.to_dict() for d in register_pages(self.wire, self.rank_caches, self.exported)]
         regions += [self.wire.register("meta", self.meta).to_dict()]
         self.control.send(
             "driver",

@@ -1,8 +1,9 @@
 """Tensor parallelism for the hw model: a rank's place in its group, and how weights are cut.
 
-A `TensorParallel` names one rank of a torch.distributed process group (gloo on CPU, NCCL on
-CUDA) and carries the two collectives the model needs: an all-reduce (sum) after each
-row-parallel projection and an all-gather of the vocab-parallel logits.
+A `TensorParallel` names one rank of a torch.distributed process group (gloo on the CPU and
+for ranks that share a GPU, NCCL for ranks of a GPU each: disagg.hw.ranks) and carries the two
+collectives the model needs: an all-reduce (sum) after each row-parallel projection and an
+all-gather of the vocab-parallel logits.
 
 With DP attention (`dp` > 1) the group is a node of `dp` attention groups of `size // dp` ranks
 (rank r in group r // (size // dp), as `disagg.core.sharding.ShardLayout` numbers them): the
@@ -36,6 +37,8 @@ class TensorParallel:
     `expert_parallel`: an MoE layer's experts are split across the ranks (each keeps whole
     experts) instead of each expert's intermediate width.
     `dp`: DP attention groups among the `size` ranks (each of `size // dp` ranks).
+    `store`: the store the group formed through (`join`), for what the ranks exchange besides
+    tensors.
     """
 
     rank: int
@@ -43,6 +46,7 @@ class TensorParallel:
     group: dist.ProcessGroup | None = field(default=None, compare=False)
     expert_parallel: bool = False
     dp: int = 1
+    store: dist.Store | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -105,8 +109,8 @@ def join(
     dp: int = 1,
 ) -> TensorParallel:
     """Join the default process group of `size` ranks (`dp` attention groups of them) through a
-    FileStore at `init_file` (every rank of one host passes the same path); ConfigError naming
-    the rank on a timeout.
+    FileStore at `init_file` (every rank of one host passes the same path), over `backend`
+    ("gloo" or "nccl"); ConfigError naming the rank on a timeout.
     `op_timeout_s`: how long a collective may wait for the other ranks (`timeout_s` if None;
     if given, the returned `group` is a second group of the same ranks, that patient)."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -117,13 +121,13 @@ def join(
         if op_timeout_s is not None:  # the same ranks, patient (formed at once: all are here)
             ops = datetime.timedelta(seconds=op_timeout_s)
             group = dist.new_group(list(range(size)), timeout=ops)
-            return TensorParallel(rank, size, group, expert_parallel, dp)
+            return TensorParallel(rank, size, group, expert_parallel, dp, store)
     except (RuntimeError, ValueError) as err:
         raise ConfigError(
             f"tp rank {rank} of {size} could not join the group at {init_file} "
             f"within {timeout_s} s: {err}"
         ) from err
-    return TensorParallel(rank, size, None, expert_parallel, dp)
+    return TensorParallel(rank, size, None, expert_parallel, dp, store)
 
 
 @dataclass(frozen=True)

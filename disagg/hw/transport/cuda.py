@@ -33,6 +33,11 @@ group that would go as a gather does not stack, into a mapped peer either (a gat
 is chosen over stacked 2D copies there). One event then vouches for every unit of the stack.
 docs/gpu-runs.md gives the measurements behind these choices.
 
+A node of several ranks on GPUs (disagg.hw.ranks) has each follower export its KV pages
+(`export_info`) and its leader map them (`map_exported`); the leader's one endpoint registers
+them with the follower's export (`register_mapped`), which its peers map, as they would the
+follower's own registration.
+
 The copies do not wait for other streams: post only bytes already written (the layer counter
 guarantees this for KV pages) or synchronise first.
 """
@@ -190,6 +195,45 @@ def _bytes_field(data: dict[str, Any], name: str, max_bytes: int) -> bytes | Non
         raise TransportError(f"cuda: IPC handle field {name} is not base64") from e
 
 
+def export_info(flat: torch.Tensor) -> dict[str, Any]:
+    """What a process of this host needs to map `flat`, a flat uint8 CUDA tensor this process
+    allocated, as plain JSON values: torch's IPC handle (`IpcHandle`), its GPU, and, where the
+    driver gives one (not for torch's expandable segments), a driver IPC handle for processes
+    on other GPUs (`map_exported`, `CudaTransport.connect`)."""
+    info: dict[str, Any] = {"ipc": IpcHandle.of(flat).to_json(), "device": flat.device.index}
+    try:
+        with torch.cuda.device(flat.device):
+            handle, offset = cudadriver.export(flat.data_ptr())
+        info |= {"cu_ipc": base64.b64encode(handle).decode(), "cu_offset": offset}
+    except TransportError:
+        pass
+    return info
+
+
+def map_exported(info: Any, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of `device` over the `nbytes` that another process of this host exported
+    as `info` (`export_info`): through torch's IPC if they lie on `device`, else opened in
+    `device`'s context with peer access and wrapped (copies on `device` read and write them
+    over NVLink). The mapping lasts as long as this process; the owner must keep the memory.
+    TransportError naming the field or the failure if it cannot be mapped."""
+    if not isinstance(info, dict):
+        raise TransportError(f"cuda: an export is an object, not {type(info).__name__}")
+    owner = _int_field(info, "device", _MAX_DEVICE)
+    try:
+        if owner == device.index:
+            ipc = IpcHandle.from_json(info.get("ipc"), nbytes)
+            return rebuild_cuda_tensor(*ipc.rebuild_args())
+        handle = _bytes_field(info, "cu_ipc", _IPC_HANDLE_BYTES)
+        if handle is None or len(handle) != _IPC_HANDLE_BYTES:
+            raise TransportError(f"memory of GPU {owner} came without a driver IPC handle")
+        offset = _int_field(info, "cu_offset", _MAX_SIZE)
+        with torch.cuda.device(device):
+            ptr = cudadriver.open_handle(handle) + offset
+        return tensor_at(ptr, nbytes, device)
+    except (RuntimeError, TransportError) as e:
+        raise TransportError(f"cuda: cannot map GPU {owner}'s memory on {device}: {e}") from e
+
+
 def _wait_and_notify(link: Link, job: Events) -> None:
     """Worker side: send each immediate once its unit's copies are done, then finish. The
     immediates of one event (a stacked copy's units) leave in one send."""
@@ -239,6 +283,24 @@ class CudaTransport(SocketWire):
         self._opened: dict[bytes, int] = {}  # driver IPC handle -> base address mapped here
 
     def register(self, region: str, buffer: Any) -> Descriptor:
+        flat = self._add(region, buffer)
+        return Descriptor(self.name, region, flat.numel(), export_info(flat))
+
+    def register_mapped(self, region: str, buffer: Any, info: dict[str, Any]) -> Descriptor:
+        """Register `buffer`, this process's mapping (`map_exported`) of memory that another
+        process of this host allocated and exported as `info` (`export_info`): a node's leader
+        registering its followers' pages. Copies read `buffer`; peers map the owner's memory
+        from `info`, since a process cannot export again what it only maps (CUDA IPC)."""
+        flat = self._add(region, buffer)
+        try:
+            IpcHandle.from_json(info.get("ipc"), flat.numel())  # the owner's, of these bytes
+        except TransportError:
+            del self._local[region]
+            raise
+        return Descriptor(self.name, region, flat.numel(), info)
+
+    def _add(self, region: str, buffer: Any) -> torch.Tensor:
+        """`buffer` as a local region's flat bytes (the endpoint's GPU set by the first)."""
         self._check_open()
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cuda":
             raise TransportError("the cuda wire registers CUDA tensors only")
@@ -254,14 +316,7 @@ class CudaTransport(SocketWire):
             raise TransportError(f"all regions of one endpoint live on {self.device}")
         flat = buffer.reshape(-1).view(torch.uint8)
         self._local[region] = flat
-        info = {"ipc": IpcHandle.of(flat).to_json(), "device": flat.device.index}
-        try:  # a handle for senders on other GPUs (not for torch's expandable segments)
-            with torch.cuda.device(flat.device):
-                handle, offset = cudadriver.export(flat.data_ptr())
-            info |= {"cu_ipc": base64.b64encode(handle).decode(), "cu_offset": offset}
-        except TransportError:
-            pass
-        return Descriptor(self.name, region, flat.numel(), info)
+        return flat
 
     def connect(self, peer: str, info: dict[str, Any], regions: Sequence[Descriptor]) -> None:
         self._check_new_peer(peer)
