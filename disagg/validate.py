@@ -4,8 +4,8 @@ Stages, each announced through `say`:
 1. profile the device for the experiments' model (`disagg.hw.profile.profile`) over the grid
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
    passes, each with its host time; then measure what the serving loop adds to every pass
-   (`measure_loop`, on a run of its own seed at the middle load), which the profile replays
-   add;
+   (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
+   profile replays add;
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
@@ -233,7 +233,7 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
     return df
 
 
-CALIBRATION_SEED = 1  # added to the experiment's seed: the loop calibration's own workload
+CALIBRATION_SEED = 1  # added to the experiment's seed: the loop calibration's own workloads
 
 
 def pass_gaps(steps: pd.DataFrame) -> pd.Series:
@@ -245,16 +245,18 @@ def pass_gaps(steps: pd.DataFrame) -> pd.Series:
     return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
 
 
-def loop_costs(steps: pd.DataFrame) -> dict[str, Any]:
-    """What a serving run's passes cost beyond the device, as `[cost]` fields: the median gap
-    between passes (`profile_pass_overhead_s`) and, where passes have device times (a GPU),
-    their host time (wall less device): a least-squares line over the decode passes' batch
-    sizes gives the fixed part of a decode pass and the part per sequence
-    (`profile_host_s`, `profile_host_per_seq_s`); a pass with a prompt chunk has its own fixed
-    part, the median of its host time less the per-sequence part (`profile_host_chunk_s`)."""
-    gaps = pass_gaps(steps)
-    if gaps.empty:
-        raise ConfigError("the loop calibration run ran fewer than two passes")
+def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
+    """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
+    all `runs` (their steps tables): the median gap between passes (`profile_pass_overhead_s`)
+    and, where passes have device times (a GPU), their host time (wall less device): a
+    least-squares line over the decode passes' batch sizes gives the fixed part of a decode
+    pass and the part per sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a
+    prompt chunk has its own fixed part, the median of its host time less the per-sequence part
+    (`profile_host_chunk_s`)."""
+    gaps = pd.concat([pass_gaps(steps) for steps in runs])
+    if len(gaps) == 0:
+        raise ConfigError("the loop calibration runs ran fewer than two passes")
+    steps = pd.concat(runs, ignore_index=True)
     costs: dict[str, Any] = {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
     timed = steps[steps.device_s.notna()] if "device_s" in steps else steps.iloc[:0]
     host = timed.duration_s - timed.device_s
@@ -343,9 +345,10 @@ def _per_pass(rows: pd.DataFrame) -> tuple[float, float, int]:
 
 
 def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
-    """`[cost] profile_chunk_offsets` from a serving run's steps (`hw`) and its replay's on the
-    profile (`sim`): per range of chunk tokens of `pass_table`, its median tokens and the
-    run's median device time less the replay's. [] without device times (the CPU)."""
+    """`[cost] profile_chunk_offsets` from serving runs' steps (`hw`, concatenated) and their
+    replays' on the profile (`sim`): per range of chunk tokens of `pass_table`, its median
+    tokens and the runs' median device time less the replays'. [] without device times (the
+    CPU)."""
     t = pass_table(hw, sim)
     t = t[t.kind == "chunk"]
     return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
@@ -403,29 +406,35 @@ def described(costs: dict[str, Any]) -> str:
 def measure_loop(
     exps: Sequence[Experiment],
     out: Path,
-    rate: float,
+    rates: Sequence[float],
     profile_csv: Path,
     sim_overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The serving loop's costs on this device that a profile of passes leaves out, measured
     on a colocated server (the experiments' colocated one, else the first in that mode)
-    serving `rate` requests/s of a workload of its own (the experiment's seed +
-    CALIBRATION_SEED), so none of the validation runs calibrates itself: a server's host time
-    per pass follows the load it serves (its scheduler's queues, the messages of arrivals and
-    tokens), which a burst of requests at once does not show. `loop_costs` of its passes;
-    then, where they have device times, the run replayed on the profile with those costs
-    (`out/replay`) gives `chunk_offsets`. Written to `out/calibration.json`."""
+    serving each of `rates` requests/s, each a workload of its own (the experiment's seed +
+    CALIBRATION_SEED + its index), so none of the validation runs calibrates itself: a server's
+    host time per pass follows the load it serves (its scheduler's queues, the messages of
+    arrivals and tokens), which a burst of requests at once does not show, and it varies from
+    run to run by as much as a tenth (on one H200, 0.58-0.92 ms per decode pass at batch 1), so
+    more than one run is pooled. `loop_costs` of their passes; then, where they have device
+    times, the runs replayed on the profile with those costs (`out/RATErps/replay`) give
+    `chunk_offsets`. Written to `out/calibration.json`."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
-    run = coloc.updated(f"seed={coloc.seed + CALIBRATION_SEED}", f"workload.rate_per_s={rate}")
-    run_hw(run, out)
-    steps = pd.read_parquet(out / "steps.parquet")
-    costs = loop_costs(steps)
-    if "device_s" in steps and steps.device_s.notna().any():
-        replay(out, [*sim_overrides, *profiled(profile_csv, costs)], out / "replay")
-        offsets = chunk_offsets(steps, pd.read_parquet(out / "replay" / "steps.parquet"))
+    dirs = [out / f"{rate:g}rps" for rate in rates]
+    for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
+        seed = coloc.seed + CALIBRATION_SEED + i
+        run_hw(coloc.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
+    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
+    costs = loop_costs(runs)
+    if any("device_s" in steps and steps.device_s.notna().any() for steps in runs):
+        for where in dirs:
+            replay(where, [*sim_overrides, *profiled(profile_csv, costs)], where / "replay")
+        replayed = [pd.read_parquet(where / "replay" / "steps.parquet") for where in dirs]
+        offsets = chunk_offsets(pd.concat(runs), pd.concat(replayed))
         if offsets:
             costs["profile_chunk_offsets"] = offsets
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
@@ -450,9 +459,10 @@ def validate(
     df = measure_profile(exps, opts, csv)
     say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
     rates = _rates(exps, csv, opts, say)
-    middle = sorted(rates)[(len(rates) - 1) // 2]  # of two, the lower
-    costs = measure_loop(exps, out / "calibration", middle, csv, opts.sim_overrides)
-    say(f"serving loop (a run of its own at {middle:g} req/s): {described(costs)}")
+    ends = sorted({min(rates), max(rates)})
+    costs = measure_loop(exps, out / "calibration", ends, csv, opts.sim_overrides)
+    loads = " and ".join(f"{rate:g}" for rate in ends)
+    say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s

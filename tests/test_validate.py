@@ -150,14 +150,16 @@ def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
             "prefill_tokens": prefill,
         }
     )
-    costs = loop_costs(steps)
+    # two runs, each on its own clock from 0 (the 2 ms gap lay between them): gaps per run
+    second = steps.iloc[3:].assign(start_s=lambda d: d.start_s - d.start_s.iloc[0])
+    costs = loop_costs([steps.iloc[:3], second])
     assert costs == {
         "profile_pass_overhead_s": pytest.approx(5e-4),
         "profile_host_s": pytest.approx(1e-3),
         "profile_host_chunk_s": pytest.approx(3e-3),
         "profile_host_per_seq_s": pytest.approx(1e-4),
     }
-    assert loop_costs(steps.assign(device_s=math.nan)) == {
+    assert loop_costs([steps.assign(device_s=math.nan)]) == {
         "profile_pass_overhead_s": pytest.approx(5e-4)
     }
 
@@ -349,15 +351,18 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert costed["profile_passes"] > 0
     roofline = json.loads((out / "sim-roofline" / "disagg-60rps" / "summary.json").read_text())
     assert roofline.get("profile_passes") is None
-    # the serving loop's gap between passes, from a colocated run of its own workload (the
-    # next seed) at the middle load (of two, the lower), goes into the profile replays
-    calibrated = json.loads((out / "calibration" / "experiment.json").read_text())
-    assert calibrated["cluster"]["mode"] == "colocated"
-    assert (calibrated["seed"], calibrated["workload"]["rate_per_s"]) == (ran["seed"] + 1, 20)
-    assert len(pd.read_parquet(out / "calibration" / "requests.parquet")) == 4
-    assert "serving loop (a run of its own at 20 req/s)" in res.output
+    # the serving loop's gap between passes, from colocated runs of their own workloads (the
+    # next seeds) at the lowest and the highest load, goes into the profile replays
+    loops = [out / "calibration" / f"{rate}rps" for rate in (20, 60)]
+    for i, where in enumerate(loops, 1):
+        calibrated = json.loads((where / "experiment.json").read_text())
+        assert calibrated["cluster"]["mode"] == "colocated"
+        assert calibrated["seed"] == ran["seed"] + i
+        assert calibrated["workload"]["rate_per_s"] == (20, 60)[i - 1]
+        assert len(pd.read_parquet(where / "requests.parquet")) == 4
+    assert "serving loop (runs of their own at 20 and 60 req/s)" in res.output
     loop = json.loads((out / "calibration" / "calibration.json").read_text())
-    gaps = pass_gaps(pd.read_parquet(out / "calibration" / "steps.parquet"))
+    gaps = pd.concat([pass_gaps(pd.read_parquet(where / "steps.parquet")) for where in loops])
     # on the CPU passes have no device time: the gap only, the profile's host_s (0) kept
     assert loop == {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
     assert replayed["cost"]["profile_pass_overhead_s"] == loop["profile_pass_overhead_s"]
