@@ -252,6 +252,18 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     )
 
 
+def test_an_moe_models_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
+    """Its decode time follows the experts the batch activates (concave in the batch), so the
+    decode axis also gets 1, 2, 4, 8, ... up to the batch limit; its mixed passes do not."""
+    dense = load_experiment(TINY, ["workload.num_requests=40"])
+    moe = dense.updated("model.name=tiny-moe")
+    assert moe.model.spec.is_moe and not dense.model.spec.is_moe
+    plain, grid = profile_grid([dense], 3), profile_grid([moe], 3)
+    assert plain.decode_batch == (1, 4, 16)  # the batch limit of 16
+    assert grid.decode_batch == (1, 2, 4, 8, 16)
+    assert grid.mixed == plain.mixed and grid.prefill_tokens == plain.prefill_tokens
+
+
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
     tmp_path: Path,
 ) -> None:
