@@ -96,15 +96,17 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     saturates, so a line between a few batches falls short in between (on one H200, Qwen3-30B-
     A3B's passes of 2-25 sequences ran up to 16% longer than interpolated between batches 1,
     6 and 40). Its mixed passes keep the `points` batches."""
-    prompts, totals, chunks, batches = [], [], [], []
+    prompts, totals, chunks, batches, cached = [], [], [], [], 0
     for exp in exps:
         arrivals = _arrivals(exp)
         prompts += [a.prompt_tokens for a in arrivals]
         totals += [a.prompt_tokens + a.output_tokens for a in arrivals]
-        chunks.append(_group(exp, "prefill").token_budget)
+        budget = _group(exp, "prefill").token_budget
+        chunks.append(budget)
         batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
+        # a prompt's last chunk comes after its whole chunks before it
+        cached = max(cached, max(budget * ((a.prompt_tokens - 1) // budget) for a in arrivals))
     top = min(max(chunks), max(prompts))
-    cached = max(prompts) - min(chunks)
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
     decode_batch = log_grid(1, max(batches), points)
     decode_context = log_grid(min(prompts), max(totals), 2)

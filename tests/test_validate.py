@@ -244,7 +244,8 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     longest = max(a.prompt_tokens + a.output_tokens for a in arrivals)
     grid = profile_grid([disagg, coloc], 3)
     assert grid.prefill_tokens == log_grid(min(prompts), min(64, max(prompts)), 3)
-    assert grid.prefill_context == ((0, max(prompts) - 64) if max(prompts) > 64 else (0,))
+    last = 64 * ((max(prompts) - 1) // 64)  # the longest prompt's last chunk, after its others
+    assert grid.prefill_context == ((0, last) if last else (0,))
     assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
     assert grid.decode_context == (min(prompts), longest)
     assert grid.mixed == tuple(
