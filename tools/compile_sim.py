@@ -13,7 +13,9 @@ bit for bit (`python benchmarks/same_tables.py --against CHECKOUT` from DIR). Le
 `core/scheduler.py` and `core/policies.py`, on which mypyc (mypy 2.4) fails (it cannot write
 the signature of `DecodePriorityScheduler.__init__`, a keyword-only parameter without a default
 after defaulted ones; its C for the policies' pydantic imports does not compile),
-`core/metrics.py` (compiled, no measurable gain) and the modules off the per-event path.
+`core/messages.py` (the hw control plane checks a received message against its class's
+annotations, which a compiled class does not keep), `core/metrics.py` (compiled, no measurable
+gain) and the modules off the per-event path.
 """
 
 from __future__ import annotations
