@@ -3,10 +3,11 @@
     python tools/compile_sim.py DIR
 
 Copies this checkout's files (tracked, and untracked ones git does not ignore) to DIR, which
-must not exist, and compiles MODULES there in place with mypyc (a dev dependency). Run the
-simulator from DIR, e.g. `cd DIR && python benchmarks/sim_speed.py --against /tmp/base`:
-Python imports a module's compiled extension before its source. A copy, not this checkout: an
-extension built here would shadow every later edit of its module's source.
+must not exist, and compiles MODULES there in place with mypyc (it comes with mypy, a dev
+dependency, and needs a C compiler; about a minute on two cores). Run the simulator from DIR,
+e.g. `cd DIR && python benchmarks/sim_speed.py --against /tmp/base`: Python imports a module's
+compiled extension before its source. A copy, not this checkout: an extension built here would
+shadow every later edit of its module's source (rebuild the copy after a change).
 
 The pure-Python modules stay the reference, and the compiled ones must give the same tables
 bit for bit (`python benchmarks/same_tables.py --against CHECKOUT` from DIR). Left out:
