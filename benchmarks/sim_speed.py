@@ -13,7 +13,8 @@ the imports (numpy, pandas, pydantic), the difference is what the simulation add
 With `--against DIR` (a checkout of another commit, e.g. `git worktree add DIR COMMIT`), each
 repeat runs that checkout and this one, alternately, each in a fresh process, and the last line
 gives the ratio of their median wall times (this one's over the other's): machine noise hits
-both alike.
+both alike. Run from a compiled copy (`python tools/compile_sim.py DIR`, then this script from
+DIR), "this" is the compiled simulator.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_clock_call_takes_a_timeouts_place_in_the_order() -> None:
     env.call(0.5, lambda: log.append((env.now, "early call")))
     env.run(until=2.0)
     assert log == [(0.5, "early call"), (1.0, "timeout a"), (1.0, "call"), (1.0, "timeout b")]
-    env.call(1.0, log.clear)  # not a plain function: wrapped
+    env.call(1.0, log.clear)  # a bound method: a call too
     env.step()
     assert log == [] and env.now == 3.0
 
@@ -175,7 +175,7 @@ def test_clock_wake_resumes_its_waiter_once_and_forgets_a_set_with_none() -> Non
         log.append((env.now, "woken last"))  # the set at 5.0 finds nothing waiting
 
     env.start(proc())
-    env.call(1.0, wake.set)  # not a plain function: wrapped
+    env.call(1.0, wake.set)  # a bound method: a call too
     env.call(1.0, wake.set)  # the process is not waiting again yet: nothing happens
     env.call(3.0, wake.set)
     env.call(4.0, wake.set)

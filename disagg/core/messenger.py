@@ -39,6 +39,13 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from disagg.core.kvcache import PagePool, pages_for
+from disagg.core.messages import (
+    CancelTransfer,
+    Message,
+    PrefillRejected,
+    PrefillRequest,
+    TransferAborted,
+)
 from disagg.core.request import Request, Status
 from disagg.errors import ProtocolError
 
@@ -51,53 +58,9 @@ def timeout_reason(timeout_s: float) -> str:
     return f"transfer timed out after {timeout_s:g} s"
 
 
-# Messages and commands are values: nothing changes one once it is made. They are not frozen
-# dataclasses only because a few are made per request, and a frozen __init__ costs several
-# times as much (a setattr call per field).
-
-
-# ---- control-plane messages (cross node boundaries: plain data) ---------------------------
-@dataclass(slots=True)
-class PrefillRequest:
-    req_id: int
-    slot: int  # the immediate value of every write for this request
-    decode_node: int
-    prompt_tokens: int
-    dst_pages: tuple[int, ...]
-    dst_rank: int = 0  # decode DP rank holding the pages (0 under TP)
-    prompt: tuple[int, ...] = ()  # the prompt's token ids (a simulator sends none)
-    routed: bool = False  # the router sent the request to the prefill node too (parallel)
-    attempt: int = 1  # the decoder's handoff number for this request (a retry is a new one)
-
-
-@dataclass
-class PrefillRejected:
-    req_id: int
-    reason: str
-
-
-@dataclass
-class CancelTransfer:
-    """Decode node `decode_node` asks prefill to stop a request's transfer. `reply`: the
-    decoder holds pages for it and waits for TransferAborted; not when it failed the request
-    before any handoff. A prefill node answers even a request it does not know (it finished,
-    or the prefill declared the decoder dead and forgot it): the decoder's pages wait for it."""
-
-    req_id: int
-    reason: str
-    reply: bool = True
-    decode_node: int = -1
-
-
-@dataclass
-class TransferAborted:
-    """Prefill stopped writing for a request: decode may reuse its pages."""
-
-    req_id: int
-    reason: str
-
-
-Message = PrefillRequest | PrefillRejected | CancelTransfer | TransferAborted
+# Commands are values: nothing changes one once it is made. They are not frozen dataclasses
+# only because a few are made per request, and a frozen __init__ costs several times as much
+# (a setattr call per field). The control-plane messages are in disagg.core.messages.
 
 
 # ---- commands to the local backend -------------------------------------------------------

@@ -2,7 +2,7 @@
 
 `Clock` is a `simpy.Environment` whose `timeout` and `event` return a `Timer` and a `Signal`
 (the few fields that the event loop and SimPy processes read, with no `Event` machinery), whose
-`call` schedules a plain function and `start` runs a generator as a light process (no event
+`call` schedules a plain callable and `start` runs a generator as a light process (no event
 objects at all), and whose `run(until=t)` steps events in a loop of its own. Everything is
 processed in SimPy's order, by (time, priority, insertion): a `call` takes the place a timeout
 made at that moment would, a `start` the place of a process started then, and the `until` mark
@@ -127,9 +127,7 @@ class Clock(simpy.Environment):
 
     def call(self, delay: float, fn: Callable[[], Any]) -> None:
         """Call `fn()` `delay` seconds from now, in the place a timeout made now would have in
-        the order, with no event object: the queue holds the function itself."""
-        if fn.__class__ is not FunctionType:  # the loops tell a call by its type
-            fn = _wrap(fn)
+        the order, with no event object: the queue holds the callable itself (`_is_call`)."""
         queue: list[Any] = self._queue  # SimPy types it as holding Events only
         heappush(queue, (self._now + delay, NORMAL, next(self._eid), fn))
 
@@ -187,7 +185,7 @@ class Clock(simpy.Environment):
     def step(self) -> None:
         """SimPy's `step`, which also runs a `call`."""
         queue: list[Any] = self._queue
-        if queue and queue[0][3].__class__ is FunctionType:
+        if queue and _is_call(queue[0][3]):
             self._now, _, _, fn = heappop(queue)
             fn()
             return
@@ -205,8 +203,9 @@ class Clock(simpy.Environment):
         heappush(queue, (self._now + (at - self._now), URGENT, next(self._eid), stop))
         while True:  # the queue holds `stop` until it is popped
             self._now, _, _, event = heappop(queue)
-            if event.__class__ is FunctionType:  # a `call`
-                event()
+            cls = event.__class__
+            if cls is FunctionType or (cls is not Timer and cls is not Signal and _is_call(event)):
+                event()  # a `call` (_is_call, its common case first)
                 continue
             if event is stop:
                 return None
@@ -219,8 +218,11 @@ class Clock(simpy.Environment):
                 raise exc
 
 
-def _wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
-    return lambda: fn()
+def _is_call(entry: Any) -> bool:
+    """Whether a queue entry is a `call` (a callable: a function, a bound method, a partial, or
+    a compiled function when the simulator is compiled, tools/compile_sim.py) rather than an
+    event (a `Timer`, a `Signal`, a SimPy event), whose callbacks are run."""
+    return not isinstance(entry, (Timer, Signal, simpy.Event))
 
 
 def _delay(delay_s: float) -> float:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from operator import attrgetter, sub
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from disagg.config import Experiment, GroupConfig
 from disagg.core.kvcache import PagePool
@@ -97,12 +97,17 @@ def pool_pages(exp: Experiment, group: GroupConfig, role: str) -> int:
     return pages
 
 
-class Node:
+R = TypeVar("R", bound=PrefillRole | DecodeRole | ColocatedRole)
+
+
+class Node(Generic[R]):
     """A simulated node: the port of its core role (SimPy time, simulated control plane and
-    network) and the loop that runs the role's passes for the cost model's time."""
+    network) and the loop that runs the role's passes for the cost model's time. Generic in
+    its role's type (not an attribute a subclass narrows: mypyc, tools/compile_sim.py, does
+    not compile that)."""
 
     kind = "node"
-    role: PrefillRole | DecodeRole | ColocatedRole
+    role: R
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         self.sim, self.idx, self.group = sim, idx, group
@@ -266,9 +271,8 @@ def _passes_done(elapsed: Callable[[int], float], e: float, n: int, guess: float
     return k
 
 
-class PrefillNode(Node):
+class PrefillNode(Node[PrefillRole]):
     kind = "prefill"
-    role: PrefillRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
@@ -330,9 +334,8 @@ class PrefillNode(Node):
         self.record("prefill", t0, 1, batch)
 
 
-class DecodeNode(Node):
+class DecodeNode(Node[DecodeRole]):
     kind = "decode"
-    role: DecodeRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
@@ -361,9 +364,8 @@ class DecodeNode(Node):
         self.record("decode", t0, steps, batch)
 
 
-class ColocatedNode(Node):
+class ColocatedNode(Node[ColocatedRole]):
     kind = "colocated"
-    role: ColocatedRole
 
     def __init__(self, sim: Sim, idx: int, group: GroupConfig) -> None:
         super().__init__(sim, idx, group)
