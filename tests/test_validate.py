@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -403,6 +404,35 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert "missed: colocated-40rps tpot_s_p50: sim/hw" in res.output
     assert "0 of 2 cells met" in res.output
     assert "**no**" in (out / "fidelity.md").read_text()
+
+
+def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: Path) -> None:
+    """tiny-moe, prompts of 40 tokens in chunks of 64, arriving faster than they are served: the
+    profile has prefill rows at context 0 only, and decode rows at every power of two of the
+    batch. A pass holding two prompts splits the second, and the replays cost its rest after
+    cached tokens, beyond the grid (on the H200 such a profile priced that at infinity and the
+    run ended in 'KV pages leaked')."""
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+
+    out = tmp_path / "moe"
+    overrides = ["model.name=tiny-moe", 'workload.prompt_tokens={"dist": "fixed", "value": 40}']
+    overrides += ["hw.wire=tcp"]
+    args = ["validate", str(TINY), "--requests", "12", "--grid-points", "2", "--rates", "1000"]
+    args += [arg for o in overrides for arg in ("--set", o)]
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    profiled = pd.read_csv(out / "profile.csv")
+    assert set(profiled[profiled.kind == "prefill"].context) == {0}
+    assert sorted(set(profiled[profiled.kind == "decode"].batch)) == [1, 2, 4, 8, 12]
+    table = pd.read_csv(out / "fidelity.csv")
+    assert set(table.run) == {"colocated-1000rps", "disagg-1000rps"}
+    assert np.isfinite(table.sim_profile).all() and (table.sim_profile > 0).all()
+    costed = json.loads((out / "sim-profile" / "colocated-1000rps" / "summary.json").read_text())
+    assert 0 < costed["profile_passes_extrapolated"] < costed["profile_passes"]
 
 
 @pytest.mark.parametrize(
