@@ -172,7 +172,9 @@ def assert_tp1_outputs(state: HwRun, reference: dict) -> None:
 
 @CUDA
 @pytest.mark.gpu
-def test_gpu_colocated_tp2_node_gives_the_tp1_tokens(small: dict, tp1: dict, tmp_path: Path):
+def test_gpu_colocated_tp2_node_gives_the_tp1_first_tokens_and_logits(
+    small: dict, tp1: dict, tmp_path: Path
+) -> None:
     """Both ranks' passes on CUDA, the leader's without graphs (its followers run eagerly)."""
     _, state = run(tmp_path, colocated(small, 2))
     assert_tp1_outputs(state, tp1)
@@ -182,7 +184,7 @@ def test_gpu_colocated_tp2_node_gives_the_tp1_tokens(small: dict, tp1: dict, tmp
 @CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("tps", [(2, 1), (1, 2)], ids=["TP2-TP1", "TP1-TP2"])
-def test_gpu_tp2_node_over_the_cuda_wire_gives_the_colocated_tokens(
+def test_gpu_tp2_node_over_the_cuda_wire_gives_the_colocated_first_tokens_and_logits(
     small: dict, tp1: dict, tps: tuple[int, int], tmp_path: Path
 ) -> None:
     """Prefill TP2 -> decode TP1: the prefill leader's wire copies its follower's pages, mapped

@@ -37,7 +37,6 @@ from disagg.core.sharding import TransferPlan, plan_transfer, shard_layout
 from disagg.errors import DisaggError, ProtocolError, TransportError
 from disagg.hw import latency
 from disagg.hw.auth import control_secret
-from disagg.hw.cache import KVCache
 from disagg.hw.control import Control
 from disagg.hw.device import resolve_device
 from disagg.hw.protocol import (
@@ -102,17 +101,11 @@ class Server:
         self.tp = join_node(cfg, 0, self.hw.start_timeout_s) if cfg.ranks > 1 else None
         self.model = rank_model(cfg, self.exp, self.tp)
         kv = self.exp.kv
-        pages = kv.pages or HW_PAGES
         # every rank's KV pages, by rank: the leader's wire moves them all (those it maps from
         # a follower's GPU registered with the follower's export of them)
-        self.rank_caches: list[KVCache]
-        self.exported: dict[int, list[dict[str, Any]]] = {}
-        if self.tp is None:
-            self.rank_caches = [self.model.new_cache(pages, kv.page_size, kv.layout)]
-        else:
-            self.rank_caches, self.exported = node_caches(cfg, self.exp, self.model, self.tp)
+        self.rank_caches, self.exported = node_caches(cfg, self.exp, self.model, self.tp)
         self.cache = self.rank_caches[0]
-        self.pool = PagePool(pages, kv.page_size, cfg.name)
+        self.pool = PagePool(kv.pages or HW_PAGES, kv.page_size, cfg.name)
         # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
         # replay, and first capture, a decode graph), and so do a leader's (its followers run
         # theirs eagerly, and a graph would replay its collectives without them); the others

@@ -250,10 +250,13 @@ def mapped_cache(
 
 
 def node_caches(
-    cfg: NodeConfig, exp: Experiment, model: Transformer, tp: TensorParallel
+    cfg: NodeConfig, exp: Experiment, model: Transformer, tp: TensorParallel | None
 ) -> tuple[list[KVCache], dict[int, list[dict[str, Any]]]]:
     """Every rank's KV pages as the leader holds them, by rank, and the exports of those it
-    maps from a follower's GPU (by rank, one per layer; none on the CPU): `register_pages`."""
+    maps from a follower's GPU (by rank, one per layer; none on the CPU): `register_pages`.
+    A node of one rank (`tp` None): its own pages."""
+    if tp is None:
+        return [new_cache(exp, model)], {}
     if model.device.type != "cuda":
         return [shared_cache(cfg, exp, model, r) for r in range(cfg.ranks)], {}
     caches, exported = [new_cache(exp, model)], {}
