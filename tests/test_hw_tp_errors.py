@@ -24,7 +24,7 @@ from test_hw_tp_nodes import with_tp
 
 from disagg.config import build_experiment
 from disagg.errors import ConfigError
-from disagg.hw.driver import Driver
+from disagg.hw.driver import Driver, check_hw_experiment
 from disagg.hw.protocol import NodeConfig
 from disagg.hw.ranks import join_node
 
@@ -92,11 +92,14 @@ def test_a_node_of_several_ranks_on_cuda_is_refused_over_a_wire_of_host_memory()
 
 
 def test_a_node_of_several_ranks_on_the_cpu_over_another_wire_is_refused() -> None:
+    """Its ranks' pages are host memory (files mapped shared), which the tcp and verbs wires
+    register and the cuda wire does not."""
     match = (
         r"cluster\.decode: tp=1 x dp=2: a node of several ranks on the CPU runs over the tcp "
-        r"wire only, not the cuda wire"
+        r"or verbs wire, not the cuda wire"
     )
     refused(with_tp("tiny-mla", 1, 1), ["cluster.decode.dp=2", "hw.wire=cuda"], match)
+    check_hw_experiment(build_experiment(with_tp("tiny-gqa", 2, 1), ["hw.wire=verbs"]))
 
 
 def node(tp_dir: Path, tp: int, dp: int) -> NodeConfig:

@@ -193,7 +193,7 @@ def test_a_tp_that_does_not_divide_the_heads_is_an_error_before_any_process() ->
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["hw.wire=cuda"], r"cluster\.decode\.tp=2: .* tcp wire only, not the cuda wire"),
+        (["hw.wire=cuda"], r"cluster\.decode\.tp=2: .* tcp or verbs wire, not the cuda wire"),
         (["cluster.decode.dp=2"], r"cluster\.decode has nodes=1 tp=2 dp=2"),
     ],
 )

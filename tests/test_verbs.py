@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 VM = REPO / "tools" / "rdma-vm"
 DEBIAN_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
 # tests in tests/rdma, all of which must pass inside the VM: 16 of the wire itself
-# (test_verbs_rxe.py) and 2 disaggregated runs over it (test_disagg_verbs.py)
-VM_TESTS = 18
+# (test_verbs_rxe.py) and 4 disaggregated runs over it (test_disagg_verbs.py: 2 of TP1 nodes,
+# 2 of a TP2 node's pages on one side)
+VM_TESTS = 20
 
 
 def test_import_needs_no_pyverbs_and_use_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

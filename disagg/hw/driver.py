@@ -168,9 +168,10 @@ def ranks_label(role: str, g: GroupConfig) -> str:
 def check_hw_experiment(exp: Experiment) -> None:
     """ConfigError unless the hw backend can run every node of the experiment: any number of
     nodes per role; a node of several ranks (tp x dp, one process each, disagg.hw.ranks; dp
-    attention groups for MLA models) on the CPU over the tcp wire, on GPUs over the cuda wire
-    (NCCL where its ranks have a GPU each, as this host's GPUs place them), and only where its
-    ranks split every weight of the model. Checked before any process starts."""
+    attention groups for MLA models) on the CPU over the tcp or verbs wire (its leader
+    registers every rank's pages, files mapped shared, as host memory), on GPUs over the cuda
+    wire (NCCL where its ranks have a GPU each, as this host's GPUs place them), and only where
+    its ranks split every weight of the model. Checked before any process starts."""
     spec = exp.model.spec
     for role, g in exp.cluster.groups.items():
         device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
@@ -183,11 +184,11 @@ def check_hw_experiment(exp: Experiment) -> None:
             )
         if g.gpus_per_node == 1:
             continue
-        if device == "cpu" and exp.hw.wire != "tcp":
+        if device == "cpu" and exp.hw.wire not in ("tcp", "verbs"):
             raise ConfigError(
-                f"{ranks}: a node of several ranks on the CPU runs over the tcp wire only, not "
-                f"the {exp.hw.wire} wire (its ranks share their KV pages as host memory): --set "
-                f"hw.wire=tcp, or cluster.{role}.tp=1 cluster.{role}.dp=1"
+                f"{ranks}: a node of several ranks on the CPU runs over the tcp or verbs wire, "
+                f"not the {exp.hw.wire} wire (its ranks share their KV pages as host memory): "
+                f"--set hw.wire=tcp, or cluster.{role}.tp=1 cluster.{role}.dp=1"
             )
         if device != "cpu":
             devices = rank_devices(device, g.gpus_per_node, torch.cuda.device_count())

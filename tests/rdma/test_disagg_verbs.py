@@ -75,6 +75,20 @@ def run(out: Path, wire: str, data: dict[str, Any]) -> tuple[dict[str, Any], dic
     return summary, state.finished
 
 
+def assert_same_requests(finished: dict[int, Any], reference: dict[int, Any]) -> None:
+    """Every request finished with the colocated run's tokens, and its first and last logits
+    and handed-over hidden state (the "meta" region, for MTP) to float32 rounding."""
+    assert sorted(finished) == sorted(reference) == list(range(REQUESTS))
+    for req_id, ref in reference.items():
+        got = finished[req_id]
+        assert got.status == ref.status == "finished"
+        assert got.tokens == ref.tokens and len(got.tokens) >= 3
+        np.testing.assert_allclose(got.first_logits, ref.first_logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        assert np.isfinite(got.metadata_sum)
+        assert got.metadata_sum == pytest.approx(ref.metadata_sum, rel=1e-4, abs=1e-3)
+
+
 @pytest.mark.parametrize(
     ("model", "layout", "budget"),
     [("tiny-gqa", "HND", 8), ("tiny-mla", "NHD", 1000)],
@@ -90,17 +104,36 @@ def test_disaggregated_over_verbs_equals_colocated(
     assert summary["wire"] == "verbs"
     assert summary["completed"] == REQUESTS and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
-    assert sorted(finished) == sorted(reference) == list(range(REQUESTS))
-    for req_id, ref in reference.items():
-        got = finished[req_id]
-        assert got.status == ref.status == "finished"
-        assert got.tokens == ref.tokens and len(got.tokens) >= 3
-        np.testing.assert_allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
-        # the hidden state handed over for MTP (the "meta" region) is the one colocated computed
-        assert np.isfinite(got.metadata_sum)
-        assert got.metadata_sum == pytest.approx(ref.metadata_sum, rel=1e-4, abs=1e-3)
+    assert_same_requests(finished, reference)
     req = pd.read_parquet(tmp_path / "disagg" / "requests.parquet")
     assert (req.ready_s >= req.prefill_end_s - 1e-3).all()
     assert (req.first_token_s >= req.ready_s).all()
+    xfers = pd.read_parquet(tmp_path / "disagg" / "transfers.parquet")
+    assert len(xfers) == REQUESTS and (xfers["bytes"] > 0).all() and (xfers.ops > 0).all()
+
+
+@pytest.fixture(scope="module")
+def colocated_gqa(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """tiny-gqa's colocated TP1 run (HND), once for the TP pairings."""
+    out = tmp_path_factory.mktemp("colocated-gqa")
+    return run(out, "tcp", experiment("tiny-gqa", "colocated", "HND", 1000))[1]
+
+
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2)], ids=["TP2-TP1", "TP1-TP2"])
+def test_a_tp_mismatch_over_verbs_equals_colocated(
+    colocated_gqa: dict[int, Any], tps: tuple[int, int], tmp_path: Path
+) -> None:
+    """A node of two ranks on the CPU keeps each rank's KV pages in a file of its directory in
+    /dev/shm, mapped shared (disagg.hw.ranks), and its leader registers both ranks' pages as
+    MRs of its one verbs context: tiny-gqa's 2 KV heads, one per rank at TP2, are written from
+    (TP2 -> TP1) or into (TP1 -> TP2) both ranks' pages over RDMA and give the colocated TP1
+    run's tokens and logits. The follower ranks fork from the same forkserver as the servers."""
+    reference = colocated_gqa
+    disagg = experiment("tiny-gqa", "disagg", "HND", 8)
+    disagg["cluster"]["prefill"]["tp"], disagg["cluster"]["decode"]["tp"] = tps
+    summary, finished = run(tmp_path / "disagg", "verbs", disagg)
+    assert summary["wire"] == "verbs"
+    assert summary["completed"] == REQUESTS and summary["failed"] == 0
+    assert_same_requests(finished, reference)
     xfers = pd.read_parquet(tmp_path / "disagg" / "transfers.parquet")
     assert len(xfers) == REQUESTS and (xfers["bytes"] > 0).all() and (xfers.ops > 0).all()
