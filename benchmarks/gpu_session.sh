@@ -17,6 +17,9 @@
 # moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
 # twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
 # (MOE_BENCH=0 leaves moe_bench.py out).
+# SPREAD=1 adds benchmarks/host_spread.py (SPREAD_ARGS: its flags; SPREAD_TIMEOUT, VALIDATE_TIMEOUT:
+# seconds, default 300 and 560): a colocated server's host time per pass, run to run, pinned
+# to cores of its own or not.
 # VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags;
 # VALIDATE_EXP=experiments/qwen3moe-h200-colocated.toml validates that one instead, with
 # PREBUILD=qwen3-30b-a3b: the MoE model through validate).
@@ -72,7 +75,11 @@ if [ -n "${MOE:-}" ]; then
   done
   tar -czf "$OUT/moe.tgz" -C "$RUNS" moe
 fi
-[ -z "${VALIDATE:-}" ] || timeout 560 python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
+[ -z "${SPREAD:-}" ] || timeout "${SPREAD_TIMEOUT:-300}" python3 benchmarks/host_spread.py \
+  experiments/llama8b-h200.toml --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
+  | tail -20 | tee -a "$LOG"
+cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
+[ -z "${VALIDATE:-}" ] || timeout "${VALIDATE_TIMEOUT:-560}" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
   --device "cuda:$D" --out "$RUNS/validate" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
 [ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$RUNS" validate
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \

@@ -37,6 +37,9 @@ class LatencyConfig(_Frozen):
     # a PM QoS request holding the host's CPU wake-up latency to at most this many microseconds
     # while the servers live (None: not asked)
     cpu_latency_us: int | None = Field(default=None, ge=0)
+    # each server process (and each follower rank) pinned to this many cores of its own, taken
+    # from the cores nearest its GPU (its NUMA node's) first (0: where the OS places it)
+    cores_per_server: int = Field(default=0, ge=0)
 
 
 class CudaWireConfig(_Frozen):

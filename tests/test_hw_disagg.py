@@ -148,6 +148,43 @@ def test_cpu_latency_is_held_when_asked_and_a_refusal_is_said(
     assert build_experiment({}).hw.latency.cpu_latency_us == 0
 
 
+def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hw.latency.cores_per_server: the driver's order of processes (prefill nodes, decode
+    nodes, then ranks within a node) numbers the cores each takes; a host that has too few is
+    told, and the process is left unpinned."""
+    idle = {"nodes": 4, "tp": 8}  # a group the mode does not run takes no cores
+    cluster = {
+        "mode": "disagg",
+        "prefill": {"nodes": 2, "tp": 2},
+        "decode": {"nodes": 3, "tp": 1, "dp": 2},
+        "colocated": idle,
+    }
+    slots = [
+        latency.process_slot({"cluster": cluster}, role, node, rank)
+        for role, nodes, ranks in (("prefill", 2, 2), ("decode", 3, 2))
+        for node in range(nodes)
+        for rank in range(ranks)
+    ]
+    assert slots == list(range(10))
+    colocated = {
+        "mode": "colocated",
+        "prefill": idle,
+        "decode": idle,
+        "colocated": {"nodes": 2, "tp": 1},
+    }
+    assert latency.process_slot({"cluster": colocated}, "colocated", 1) == 1
+    assert latency.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert latency.near_cores("cpu") == []
+    monkeypatch.setitem(latency._cpu_latency, "cores", "not pinned")  # restored after
+    cores = len(os.sched_getaffinity(0))
+    said = latency.pin_cores(1, cores, "cpu")  # the process after the last core
+    assert said == f"refused: process {cores} of 1 cores each, {cores} cores"
+    assert said in capsys.readouterr().err
+    assert latency.held()["cores"] == said
+
+
 @pytest.mark.parametrize("plan_ahead", [True, False])
 def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: bool) -> None:
     """The decoder plans a request's first pass at handoff only when that pass will be its next
@@ -174,7 +211,13 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: boo
         ("HND", 8, "decode-first", "layerwise", {}),
         ("NHD", 1000, "decode-first", "layerwise", {}),
         ("HND", 8, "parallel", "layerwise", {}),
-        ("HND", 8, "decode-first", "layerwise", {"spin": True, "cpu_latency_us": 1}),
+        (
+            "HND",
+            8,
+            "decode-first",
+            "layerwise",
+            {"spin": True, "cpu_latency_us": 1, "cores_per_server": 1},
+        ),
         ("HND", 8, "parallel", "whole", {"meta_in_stream": True}),
     ],
     ids=[
@@ -214,6 +257,13 @@ def test_disaggregated_equals_colocated(
         assert r.settings["switch_interval_s"] == pytest.approx(1e-4 if spin else 5e-3)
         held = r.settings["cpu_latency"]  # asked for 1 us; a host may refuse (not as root)
         assert held == "not asked" if not spin else held.startswith(held_here)
+    cores = {name: r.settings["cores"] for name, r in state.records.items()}
+    allowed = sorted(os.sched_getaffinity(0))  # the servers' own, inherited: no GPU to be near
+    assert cores == (
+        {"prefill0": str(allowed[0]), "decode0": str(allowed[1])}
+        if spin
+        else {"prefill0": "not pinned", "decode0": "not pinned"}
+    )
     written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
     assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())

@@ -3,9 +3,12 @@ sets for itself when it starts, and a record of it for the run's summary."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from disagg.settings import LatencyConfig
@@ -13,16 +16,75 @@ from disagg.settings import LatencyConfig
 # A spinning main thread holds the GIL between polls, so a wire thread that wants it waits for
 # the switch interval (5 ms by default): spinning servers cut it to this.
 SPIN_SWITCH_S = 100e-6
-_cpu_latency = {"held": "not asked"}
+_cpu_latency = {"held": "not asked", "cores": "not pinned"}
 
 
-def apply(cfg: LatencyConfig) -> None:
-    """Set this process up for `cfg`: the switch interval of a spinning server, and the CPU
-    wake-up latency request (held for as long as the process lives)."""
+def apply(cfg: LatencyConfig, slot: int = 0, device: str = "cpu") -> None:
+    """Set this process up for `cfg`: the switch interval of a spinning server, the CPU
+    wake-up latency request (held for as long as the process lives), and the cores of
+    process number `slot` of the host (`process_slot`), near `device`."""
     if cfg.spin:
         sys.setswitchinterval(SPIN_SWITCH_S)
     if cfg.cpu_latency_us is not None:
         hold_cpu_latency(cfg.cpu_latency_us)
+    if cfg.cores_per_server:
+        pin_cores(cfg.cores_per_server, slot, device)
+
+
+def process_slot(experiment: Mapping[str, Any], role: str, index: int, rank: int = 0) -> int:
+    """Where rank `rank` of node `index` of `role` comes among a run's server processes on one
+    host (as the driver starts them: prefill before decode, then node, then rank), so that each
+    takes cores of its own."""
+    cluster, before = experiment["cluster"], 0
+    for name in ["colocated"] if cluster["mode"] == "colocated" else ["prefill", "decode"]:
+        group = cluster[name]
+        ranks = int(group["tp"]) * int(group.get("dp", 1))
+        if name == role:
+            return before + index * ranks + rank
+        before += int(group["nodes"]) * ranks
+    raise ValueError(f"no cluster.{role} group")
+
+
+def cpu_list(text: str) -> list[int]:
+    """The cores of a sysfs cpulist ("0-7,16-23")."""
+    cores: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def near_cores(device: str, sysfs: Path = Path("/sys")) -> list[int]:
+    """The cores of `device`'s NUMA node (a GPU's `local_cpulist`); none for the CPU or when
+    sysfs does not say."""
+    if not device.startswith("cuda"):
+        return []
+    from disagg.hw.transport.nics import gpu_pci_bus_id
+
+    bus = gpu_pci_bus_id(int(device.partition(":")[2] or 0))
+    try:
+        return cpu_list((sysfs / "bus/pci/devices" / str(bus) / "local_cpulist").read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def pin_cores(n: int, slot: int, device: str) -> str:
+    """Pin every thread of this process to `n` cores of its own: the `slot`-th `n` of the
+    cores it may run on, those near `device` first. A host with too few cores is told on
+    stderr, not an error: the process stays where the OS puts it."""
+    allowed = sorted(os.sched_getaffinity(0))
+    near = [c for c in near_cores(device) if c in allowed]
+    order = near + [c for c in allowed if c not in near]
+    cores = order[slot * n : (slot + 1) * n]
+    if len(cores) < n:
+        _cpu_latency["cores"] = f"refused: process {slot} of {n} cores each, {len(order)} cores"
+        print(f"hw.latency.cores_per_server={n}: {_cpu_latency['cores']}", file=sys.stderr)
+        return _cpu_latency["cores"]
+    for task in os.listdir("/proc/self/task"):  # the threads already started (zmq's) too
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            os.sched_setaffinity(int(task), cores)
+    _cpu_latency["cores"] = ",".join(map(str, cores))
+    return _cpu_latency["cores"]
 
 
 def hold_cpu_latency(us: int, path: str = "/dev/cpu_dma_latency") -> str:
@@ -48,4 +110,8 @@ def hold_cpu_latency(us: int, path: str = "/dev/cpu_dma_latency") -> str:
 def held() -> dict[str, Any]:
     """What this process holds, for its records (the settings themselves are the experiment's,
     in the run's experiment.json)."""
-    return {"cpu_latency": _cpu_latency["held"], "switch_interval_s": sys.getswitchinterval()}
+    return {
+        "cpu_latency": _cpu_latency["held"],
+        "cores": _cpu_latency["cores"],
+        "switch_interval_s": sys.getswitchinterval(),
+    }

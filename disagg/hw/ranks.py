@@ -56,6 +56,7 @@ import torch.distributed as dist
 from disagg.config import Experiment
 from disagg.core.kvcache import PageLayout
 from disagg.errors import ConfigError, DisaggError, TransportError
+from disagg.hw import latency
 from disagg.hw.batch import Seq
 from disagg.hw.cache import KVCache, page_layout
 from disagg.hw.device import resolve_device
@@ -333,6 +334,8 @@ def follow(cfg: NodeConfig, rank: int) -> None:
     device = rank_device(cfg, exp, rank)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    slot = latency.process_slot(cfg.experiment, cfg.role, cfg.index, rank)
+    latency.apply(exp.hw.latency, slot, device)
     try:
         if device != "cpu":  # its GPU is current: its streams, NCCL's, the broadcasts' tensors
             torch.cuda.set_device(resolve_device(device))

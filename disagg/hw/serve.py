@@ -17,7 +17,7 @@ from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.node import Server
 from disagg.hw.prefill import PrefillServer
 from disagg.hw.protocol import NodeConfig, Records
-from disagg.hw.ranks import follow, rank_dir
+from disagg.hw.ranks import follow, rank_device, rank_dir
 
 SERVERS: dict[str, type[Server]] = {
     "prefill": PrefillServer,
@@ -31,7 +31,8 @@ def serve(cfg: NodeConfig) -> None:
     built (no GPU, too little memory, a missing library) tells the driver why."""
     # one control endpoint, made first: a second one under the same name would be refused by
     # the driver's socket while the first lives, and the reason with it
-    hw = Experiment.model_validate(cfg.experiment).hw
+    exp = Experiment.model_validate(cfg.experiment)
+    hw = exp.hw
     control = Control(
         cfg.name,
         cfg.bind,
@@ -44,7 +45,8 @@ def serve(cfg: NodeConfig) -> None:
     control.connect("driver", cfg.driver)
     if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    latency.apply(hw.latency)
+    slot = latency.process_slot(cfg.experiment, cfg.role, cfg.index)
+    latency.apply(hw.latency, slot, rank_device(cfg, exp, 0))
     try:
         server = SERVERS[cfg.role](cfg, control)
     except DisaggError as e:
