@@ -403,8 +403,10 @@ class Control:
         for peer in self.dealers:
             self.send(peer, Heartbeat())
 
-    def dead_peers(self) -> list[str]:
-        now = time.monotonic()
+    def dead_peers(self, now: float | None = None) -> list[str]:
+        """The peers not heard from for `dead_after_s` at `now` (time.monotonic(); default:
+        at once)."""
+        now = time.monotonic() if now is None else now
         return [p for p in self.dealers if now - self.last_seen.get(p, now) > self.dead_after_s]
 
     def close(self, linger_s: float = 0.0) -> None:

@@ -261,7 +261,9 @@ class Server:
                 self.control.send(peer, msg)
             else:
                 self.handle_peer(peer, msg)
-        dead = set(self.control.dead_peers())
+        # judged at this tick's `now`: a stop after it shows as the next tick's gap, not as
+        # every peer's silence
+        dead = set(self.control.dead_peers(now))
         for peer in sorted(dead - self.dead):  # once per death: a stalled peer may come back
             self.on_dead(peer)
         self.dead = dead
