@@ -154,27 +154,26 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
     """hw.latency.cores_per_server: the driver's order of processes (prefill nodes, decode
     nodes, then ranks within a node) numbers the cores each takes; a host that has too few is
     told, and the process is left unpinned."""
-    idle = {"nodes": 4, "tp": 8}  # a group the mode does not run takes no cores
-    cluster = {
-        "mode": "disagg",
-        "prefill": {"nodes": 2, "tp": 2},
-        "decode": {"nodes": 3, "tp": 1, "dp": 2},
-        "colocated": idle,
-    }
+    disagg = build_experiment(
+        {
+            "cluster": {
+                "mode": "disagg",
+                "prefill": {"nodes": 2, "tp": 2},
+                "decode": {"nodes": 3, "tp": 1, "dp": 2},
+            }
+        }
+    ).cluster  # its colocated group, which the mode does not run, takes no cores
     slots = [
-        latency.process_slot({"cluster": cluster}, role, node, rank)
+        latency.process_slot(disagg, role, node, rank)
         for role, nodes, ranks in (("prefill", 2, 2), ("decode", 3, 2))
         for node in range(nodes)
         for rank in range(ranks)
     ]
     assert slots == list(range(10))
-    colocated = {
-        "mode": "colocated",
-        "prefill": idle,
-        "decode": idle,
-        "colocated": {"nodes": 2, "tp": 1},
-    }
-    assert latency.process_slot({"cluster": colocated}, "colocated", 1) == 1
+    colocated = build_experiment(
+        {"cluster": {"mode": "colocated", "colocated": {"nodes": 2, "tp": 1}}}
+    )
+    assert latency.process_slot(colocated.cluster, "colocated", 1) == 1
     assert latency.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert latency.near_cores("cpu") == []
     monkeypatch.setitem(latency._cpu_latency, "cores", "not pinned")  # restored after

@@ -7,11 +7,13 @@ import contextlib
 import os
 import struct
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.settings import LatencyConfig
+
+if TYPE_CHECKING:
+    from disagg.config import ClusterConfig
 
 # A spinning main thread holds the GIL between polls, so a wire thread that wants it waits for
 # the switch interval (5 ms by default): spinning servers cut it to this.
@@ -31,17 +33,15 @@ def apply(cfg: LatencyConfig, slot: int = 0, device: str = "cpu") -> None:
         pin_cores(cfg.cores_per_server, slot, device)
 
 
-def process_slot(experiment: Mapping[str, Any], role: str, index: int, rank: int = 0) -> int:
+def process_slot(cluster: ClusterConfig, role: str, index: int, rank: int = 0) -> int:
     """Where rank `rank` of node `index` of `role` comes among a run's server processes on one
-    host (as the driver starts them: prefill before decode, then node, then rank), so that each
-    takes cores of its own."""
-    cluster, before = experiment["cluster"], 0
-    for name in ["colocated"] if cluster["mode"] == "colocated" else ["prefill", "decode"]:
-        group = cluster[name]
-        ranks = int(group["tp"]) * int(group.get("dp", 1))
+    host (as the driver starts them: the mode's groups in order, then node, then rank), so that
+    each takes cores of its own."""
+    before = 0
+    for name, group in cluster.groups.items():
         if name == role:
-            return before + index * ranks + rank
-        before += int(group["nodes"]) * ranks
+            return before + index * group.gpus_per_node + rank
+        before += group.nodes * group.gpus_per_node
     raise ValueError(f"no cluster.{role} group")
 
 
@@ -83,7 +83,8 @@ def pin_cores(n: int, slot: int, device: str) -> str:
     for task in os.listdir("/proc/self/task"):  # the threads already started (zmq's) too
         with contextlib.suppress(OSError):  # a thread that has ended since
             os.sched_setaffinity(int(task), cores)
-    _cpu_latency["cores"] = ",".join(map(str, cores))
+    # what took: the main thread's cores as the OS now has them
+    _cpu_latency["cores"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     return _cpu_latency["cores"]
 
 

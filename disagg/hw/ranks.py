@@ -334,7 +334,7 @@ def follow(cfg: NodeConfig, rank: int) -> None:
     device = rank_device(cfg, exp, rank)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    slot = latency.process_slot(cfg.experiment, cfg.role, cfg.index, rank)
+    slot = latency.process_slot(exp.cluster, cfg.role, cfg.index, rank)
     latency.apply(exp.hw.latency, slot, device)
     try:
         if device != "cpu":  # its GPU is current: its streams, NCCL's, the broadcasts' tensors

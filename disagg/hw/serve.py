@@ -45,7 +45,7 @@ def serve(cfg: NodeConfig) -> None:
     control.connect("driver", cfg.driver)
     if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    slot = latency.process_slot(cfg.experiment, cfg.role, cfg.index)
+    slot = latency.process_slot(exp.cluster, cfg.role, cfg.index)
     latency.apply(hw.latency, slot, rank_device(cfg, exp, 0))
     try:
         server = SERVERS[cfg.role](cfg, control)
