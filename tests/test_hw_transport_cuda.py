@@ -67,14 +67,19 @@ def test_batched_copy_puts_every_run_in_place(row: int) -> None:
     want = torch.zeros_like(dst)
     for a, b in zip(sp, dp, strict=True):
         want[b * row : (b + 1) * row] = src[a * row : (a + 1) * row]
-    splits = []
-    for _ in range(2):  # the second pass reuses the cached row split (words)
+    cached = []
+    for _ in range(2):  # the second pass reuses the row views the first made (words)
         dst.zero_()
         copier.copy(src, dst, runs)
         assert torch.equal(dst, want)
-        splits.append({k: v[1] for k, v in copier.row_splits.items()})
-    assert len(copier.row_splits) == (2 if row % 8 == 0 else 0)  # one split per region
-    assert all(splits[1][k] is rows for k, rows in splits[0].items())  # not split again
+        cached.append({k: dict(v[2]) for k, v in copier.row_views.items()})
+    assert len(copier.row_views) == (2 if row % 8 == 0 else 0)  # one table per region
+    if row % 8 == 0:  # views of the 38 single-row runs' rows only, not of all 128 per region
+        src_rows, dst_rows = (sorted(cached[0][(t.data_ptr(), t.numel(), row)]) for t in (src, dst))
+        assert src_rows == sorted(p for i, p in enumerate(sp) if i not in (4, 5))
+        assert dst_rows == sorted(p for i, p in enumerate(dp) if i not in (4, 5))
+    for key, views in cached[0].items():  # not made again
+        assert all(cached[1][key][i] is v for i, v in views.items())
 
 
 def test_a_single_run_is_one_copy() -> None:
@@ -82,7 +87,7 @@ def test_a_single_run_is_one_copy() -> None:
     src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     copier.copy(src, dst, coalesce(WriteArray("s", "d", [8], [40], [16])))
     assert dst[40:56].tolist() == list(range(8, 24)) and int(dst.sum()) == sum(range(8, 24))
-    assert not copier.row_splits and not copier.indexes
+    assert not copier.row_views and not copier.indexes
 
 
 @pytest.mark.parametrize("single", [True, False], ids=["one-row-runs", "multi-row-runs"])
@@ -121,7 +126,7 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
         want[b * row : (b + k) * row] = src[a * row : (a + k) * row]
     copier.copy(src, dst, runs)
     assert torch.equal(dst, want)
-    assert not copier.row_splits  # no batched copy (it would have split the regions into rows)
+    assert not copier.row_views  # no batched copy (it would have split the regions into rows)
     (index,) = [ix for _, ix in copier.indexes.values()]
     assert index.shape == (2, sum(sizes))
     dst.zero_()
@@ -133,10 +138,10 @@ def test_many_runs_go_as_one_gather_and_scatter_that_land_in_place(
     for more_runs, more_row in ((1, 0), (0, 8)):  # one run fewer, or smaller rows: batched
         monkeypatch.setattr(copyplan, "GATHER_MIN_RUNS", len(runs[2]) + more_runs)
         monkeypatch.setattr(copyplan, "GATHER_MIN_ROW", row + more_row)
-        copier.row_splits.clear()
+        copier.row_views.clear()
         dst.zero_()
         copier.copy(src, dst, runs)
-        assert torch.equal(dst, want) and len(copier.row_splits) == 2 and not copier.indexes
+        assert torch.equal(dst, want) and len(copier.row_views) == 2 and not copier.indexes
 
 
 def test_gather_copy_moves_the_named_rows_and_nothing_else() -> None:

@@ -4,9 +4,10 @@ A Copier issues each group's copies on the current stream and returns at once: o
 single run; a batched copy (`torch._foreach_copy_`) for several; a gather and a scatter by row
 number where `copyplan.gathers` says so; one driver copy per run into a region mapped by
 address; and, for a stack of units (`copyplan.stackable`), one strided copy (or driver 2D copy)
-per run, a row per unit. It keeps what repeats between calls: the split of a region into rows,
-and (for one post, until `start_post`) the row numbers of each gathered set of runs. Regions are
-flat uint8 tensors of one device; on CPU tensors every path except the driver's runs as well.
+per run, a row per unit. It keeps what repeats between calls: views of the rows of a region that
+posts have named, and (for one post, until `start_post`) the row numbers of each gathered set of
+runs. Regions are flat uint8 tensors of one device; on CPU tensors every path except the
+driver's runs as well.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from disagg.hw.transport import cudadriver
 from disagg.hw.transport.base import Runs
 from disagg.hw.transport.copyplan import Group, Mapped, Region, address, row_index, whole_rows
 from disagg.hw.transport.copyplan import gathers as plan_gathers
+
+RowViews = tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]
 
 
 def gather_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, row: int) -> None:
@@ -45,8 +48,8 @@ class Copier:
     def __init__(self, gather: bool, stream: int = 0) -> None:
         self.gather = gather
         self.stream = stream
-        self.row_splits: dict[tuple[int, int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
-        self.row_splits = {}  # (address, bytes, row) -> the region as int64, and its rows
+        # (address, bytes, row) -> the region as int64, as rows, and the row views made so far
+        self.row_views: dict[tuple[int, int, int], RowViews] = {}
         self.indexes: dict[int, tuple[Runs, torch.Tensor]] = {}  # id(runs) -> runs, row_index
 
     def start_post(self) -> None:
@@ -54,7 +57,7 @@ class Copier:
         self.indexes = {}
 
     def clear(self) -> None:
-        self.row_splits.clear()
+        self.row_views.clear()
         self.indexes = {}
 
     def gathers(self, src: torch.Tensor, dst: Region, runs: int, row: int) -> bool:
@@ -104,13 +107,24 @@ class Copier:
         self, t: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, row: int, words: bool
     ) -> list[torch.Tensor]:
         """Byte ranges of `t`: uint8 slices, or (`words`) int64 views where single rows of
-        `row` bytes come from a cached split (one list lookup each instead of a new slice)."""
+        `row` bytes come from a cache of row views (a dict lookup each instead of a new slice,
+        after the first). The cache fills with the rows posts name, not the whole region: a
+        region of a few hundred thousand rows split at once stalls a post for seconds."""
         spans = zip(offsets.tolist(), sizes.tolist(), strict=True)
         if not words:
             return [t[o : o + k] for o, k in spans]
         key = (t.data_ptr(), t.numel(), row)
-        if key not in self.row_splits:
+        if key not in self.row_views:
             w = t.view(torch.int64)
-            self.row_splits[key] = (w, w.view(-1, row // 8).unbind(0))
-        w, rows = self.row_splits[key]
-        return [rows[o // row] if k == row else w[o // 8 : (o + k) // 8] for o, k in spans]
+            self.row_views[key] = (w, w.view(-1, row // 8), {})
+        w, table, rows = self.row_views[key]
+        views = []
+        for o, k in spans:
+            if k != row:
+                views.append(w[o // 8 : (o + k) // 8])
+                continue
+            view = rows.get(o // row)
+            if view is None:
+                view = rows[o // row] = table[o // row]
+            views.append(view)
+        return views
