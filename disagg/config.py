@@ -152,6 +152,9 @@ class ClusterConfig(_Frozen):
     prefill: GroupConfig = GroupConfig(nodes=1)
     decode: GroupConfig = GroupConfig(nodes=3)
     router: RouterConfig = LeastLoadedConfig()  # a policy name or a [cluster.router] table
+    # every node on one GPU, as a hw run on a single device records: passes of different nodes
+    # take turns on it (one waits for the pass holding the GPU); false: each node its own GPUs
+    shared_gpu: bool = False
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

@@ -190,6 +190,7 @@ def replay(run_dir: Path, overrides: list[str], out: Path) -> tuple[dict[str, An
     wall = time.perf_counter() - start
     summary = summarize(req, steps, xfers, exp.cluster.total_gpus, wall)
     summary |= sim.cost_summary(steps)  # with the profile: passes beyond its grid, host share
+    summary |= sim.network_summary()
     summary["experiment"] = exp.name
     write_results(out, req, steps, xfers, summary)
     (out / "experiment.json").write_text(exp.model_dump_json(indent=2) + "\n")

@@ -20,7 +20,7 @@ def test_default_experiment_is_r1_one_prefill_three_decode() -> None:
     assert exp.cluster.total_gpus == 32
 
 
-def test_default_cluster_is_unchanged_but_for_the_typed_router() -> None:
+def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_own() -> None:
     group = {"tp": 8, "dp": 1, "expert_parallel": False, "max_batch": 256}
     group |= {"token_budget": 8192, "scheduler": None}
     assert Experiment().cluster.model_dump() == {
@@ -29,6 +29,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router() -> None:
         "prefill": {"nodes": 1, **group},
         "decode": {"nodes": 3, **group},
         "router": {"name": "least_loaded"},
+        "shared_gpu": False,
     }
     assert Experiment().cluster.router == LeastLoadedConfig()
 

@@ -24,7 +24,14 @@ import torch.distributed
 from disagg.config import build_experiment
 from disagg.core import messenger as m
 from disagg.errors import ConfigError, TransportError
-from disagg.hw.driver import Driver, HwRun, check_hw_experiment, run_hw
+from disagg.hw.driver import (
+    Driver,
+    HwRun,
+    check_hw_experiment,
+    hw_experiment,
+    run_hw,
+    shares_one_gpu,
+)
 from disagg.hw.prefill import PrefillServer
 from disagg.hw.protocol import NodeConfig, pack_imm, unpack_imm
 from disagg.hw.ranks import join_node
@@ -259,3 +266,50 @@ def test_tp_mismatch_with_kv_heads_replicated_gives_the_colocated_tokens(
     data["kv"]["layout"] = layout
     summary, state = run(tmp_path, "disagg", data)
     assert_same_outputs(summary, state, reference)
+
+
+@pytest.mark.parametrize(
+    ("sets", "gpus", "shared"),
+    [
+        (["hw.prefill_device=cuda:0", "hw.decode_device=cuda:0"], 1, True),
+        (["hw.prefill_device=cuda:0", "hw.decode_device=cuda"], 8, True),  # cuda is cuda:0
+        (["hw.prefill_device=cuda:0", "hw.decode_device=cuda:1"], 8, False),
+        (["hw.prefill_device=cuda:0", "hw.decode_device=cuda:0", "cluster.decode.tp=2"], 8, False),
+        (["hw.prefill_device=cuda:0", "hw.decode_device=cuda:0", "cluster.decode.tp=2"], 1, True),
+        ([], 1, False),  # the CPU
+        (
+            [
+                "cluster.mode=colocated",
+                "cluster.colocated.nodes=1",
+                "cluster.colocated.tp=1",
+                "hw.decode_device=cuda:0",
+            ],
+            1,
+            False,
+        ),
+    ],
+    ids=[
+        "one-gpu",
+        "cuda-is-cuda0",
+        "a-gpu-each",
+        "tp2-on-own-gpus",
+        "tp2-on-one-gpu",
+        "cpu",
+        "one-server",
+    ],
+)
+def test_a_run_records_whether_its_servers_share_one_gpu(
+    sets: list[str], gpus: int, shared: bool
+) -> None:
+    """A hw run's experiment says cluster.shared_gpu where its servers (more than one process)
+    all land on one GPU of the host, so that its replay takes turns on one simulated GPU."""
+    colocated = "cluster.mode=colocated" in sets
+    tiny = (
+        []
+        if colocated
+        else ["cluster.prefill.tp=1", "cluster.decode.tp=1", "cluster.decode.nodes=1"]
+    )
+    exp = build_experiment({}, ["model.name=tiny-gqa", *tiny, *sets])
+    assert shares_one_gpu(exp, gpus) is shared
+    assert hw_experiment(exp, gpus).cluster.shared_gpu is shared
+    assert hw_experiment(exp).cluster.shared_gpu is False  # no host given: as configured

@@ -259,3 +259,32 @@ def test_a_trace_request_beyond_the_models_context_is_refused_not_simulated(
         ConfigError, match=r"request 1 .*32,770 tokens exceed tiny-gqa.s context of 32,768"
     ):
         Sim(exp)
+
+
+def _overlaps(steps: pd.DataFrame) -> int:
+    """Pairs of passes of different nodes that overlap in time."""
+    s = steps.sort_values("start_s").reset_index(drop=True)
+    ends = s.start_s + s.duration_s
+    return sum(
+        int(((s.start_s[i + 1 :] < ends[i] - 1e-12) & (s.node[i + 1 :] != s.node[i])).sum())
+        for i in range(len(s))
+    )
+
+
+def test_nodes_on_a_shared_gpu_take_turns_and_their_decodes_wait_out_prefill_passes() -> None:
+    """cluster.shared_gpu (a hw run on one device): no two nodes' passes overlap, some waited
+    for another's, and decode passes (each one pass: the next takes its turn) are longer at the
+    tail than on GPUs of their own, where prefill and decode passes do overlap."""
+    own, shared = (
+        simulate("qwen3moe-h200-1p3d.toml", f"cluster.shared_gpu={s}") for s in ("false", "true")
+    )
+    own_steps, shared_steps = tables(own)[1], tables(shared)[1]
+    assert _overlaps(own_steps) > 0 and _overlaps(shared_steps) == 0
+    assert shared.gpu is not None and shared.gpu.waits > 0 and shared.gpu.waited_s > 0
+    assert own.gpu is None and "gpu_waits" not in own.network_summary()
+    assert shared.network_summary()["gpu_waits"] == shared.gpu.waits
+    decodes = shared_steps[shared_steps.kind == "decode"]
+    assert (decodes.steps == 1).all()
+    itl = [tables(s)[0].tpot_s.quantile(0.9) for s in (own, shared)]
+    assert itl[1] > itl[0]
+    assert (tables(shared)[0].status == "finished").all()

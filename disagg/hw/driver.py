@@ -88,10 +88,27 @@ class HwRun:
     stopped_s: float = math.nan  # when the run stopped early (a server died, ...)
 
 
-def hw_experiment(exp: Experiment) -> Experiment:
-    """`exp` as a hardware run runs it: its KV pool given (HW_PAGES unless set), so the run's
-    experiment.json records the pool its servers had."""
-    return exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
+def hw_experiment(exp: Experiment, gpus: int | None = None) -> Experiment:
+    """`exp` as a hardware run runs it, so that the run's experiment.json records it and its
+    replay simulates that: its KV pool given (HW_PAGES unless set), and, given this host's
+    `gpus`, `cluster.shared_gpu` where every server runs on one GPU (`shares_one_gpu`)."""
+    exp = exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
+    if gpus is not None and shares_one_gpu(exp, gpus) and not exp.cluster.shared_gpu:
+        exp = exp.updated("cluster.shared_gpu=true")
+    return exp
+
+
+def shares_one_gpu(exp: Experiment, gpus: int) -> bool:
+    """Whether the servers of `exp`, more than one process, all run on one CUDA GPU of a host
+    of `gpus` (`rank_devices`): their passes take turns there."""
+    devices: set[int] = set()
+    for role, g in exp.cluster.groups.items():
+        device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
+        if device == "cpu":
+            return False
+        devices |= {torch.device(d).index or 0 for d in rank_devices(device, g.tp * g.dp, gpus)}
+    processes = sum(g.nodes * g.tp * g.dp for g in exp.cluster.groups.values())
+    return len(devices) == 1 and processes > 1
 
 
 def node_configs(
@@ -222,7 +239,7 @@ class Driver:
     def __init__(
         self, exp: Experiment, external: tuple[str, ...] = (), return_logits: bool = False
     ) -> None:
-        exp = hw_experiment(exp)
+        exp = hw_experiment(exp, None if external else torch.cuda.device_count())
         parse_attention(exp.hw.attention)  # a bad choice fails here, not in every server
         check_hw_experiment(exp)
         self.exp, self.hw, self.external = exp, exp.hw, external

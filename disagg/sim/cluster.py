@@ -44,6 +44,7 @@ from disagg.faults import (
 from disagg.models import dtype_bytes
 from disagg.sim.clock import Clock
 from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
+from disagg.sim.gpu import SharedGPU
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
 
@@ -175,7 +176,10 @@ class Node(Generic[R]):
 
     # -- the loop
     def loop(self) -> Proc:
-        """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
+        """Ask the role for a batch, run it, repeat; sleep while there is nothing to do. On a
+        GPU shared with other nodes, a batch waits its turn there (as a hw server's kernels,
+        launched, wait for another process's pass)."""
+        gpu = self.sim.gpu
         while not self.dead:
             if self.env._now < self.stopped_until:
                 yield from self.frozen()
@@ -183,8 +187,12 @@ class Node(Generic[R]):
             batch = self.role.next_batch()
             if not batch.chunks and not batch.decodes:  # batch.empty, inlined
                 yield self._wake  # until the node's wake()
-            else:
+            elif gpu is None:
                 yield from self.run_pass(batch)
+            else:
+                yield from gpu.take()
+                yield from self.run_pass(batch)
+                gpu.give()
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError
@@ -211,7 +219,8 @@ class Node(Generic[R]):
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
     ) -> Generator[Any, Any, tuple[int, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
-        up to the end of the pass in flight); returns the passes run and when the first ended.
+        up to the end of the pass in flight), one pass only on a GPU shared with other nodes
+        (the next takes its turn there); returns the passes run and when the first ended.
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
         a, b = self.cost.decode_line(len(decodes))
@@ -223,7 +232,7 @@ class Node(Generic[R]):
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
         elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
-        n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
+        n = 1 if self.sim.gpu else max(1, -int(-least // tokens_per_step))  # steps_to_finish
         env = self.env
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
@@ -438,6 +447,7 @@ class Sim:
         self.transfers = TransferModel(exp, self.network, self.rng)
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
+        self.gpu = SharedGPU(self.env) if c.shared_gpu else None
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
             if c.mode == "colocated"
@@ -577,14 +587,16 @@ class Sim:
         self.check_end()
 
     def network_summary(self) -> dict[str, float]:
-        """Busiest sending NIC: bytes it sent and the fraction of the run it was busy."""
+        """Busiest sending NIC: bytes it sent and the fraction of the run it was busy; on a
+        shared GPU, the passes that waited for another node's and their wait."""
+        out: dict[str, float] = {}
+        if self.gpu is not None:
+            out = {"gpu_waits": self.gpu.waits, "gpu_waited_s": self.gpu.waited_s}
         keys = list(self.network.nics)
-        if not keys:
-            return {}
-        return {
-            "nic_bytes_max": max(self.transfers.nic_bytes.values(), default=0.0),
-            "nic_busy_max": max(self.network.utilisation(k) for k in keys),
-        }
+        if keys:
+            out["nic_bytes_max"] = max(self.transfers.nic_bytes.values(), default=0.0)
+            out["nic_busy_max"] = max(self.network.utilisation(k) for k in keys)
+        return out
 
     def cost_summary(self, steps: pd.DataFrame) -> dict[str, Any]:
         """With a measured profile as the cost model: the passes it costed, how many of them
