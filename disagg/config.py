@@ -153,8 +153,11 @@ class ClusterConfig(_Frozen):
     decode: GroupConfig = GroupConfig(nodes=3)
     router: RouterConfig = LeastLoadedConfig()  # a policy name or a [cluster.router] table
     # every node on one GPU, as a hw run on a single device records: passes of different nodes
-    # take turns on it (one waits for the pass holding the GPU); false: each node its own GPUs
+    # that overlap share it (disagg/sim/gpu.py); false: each node has GPUs of its own
     shared_gpu: bool = False
+    # there, a decode-only pass's weight against a pass with a prompt chunk's 1 - decode_share:
+    # its share of the GPU beside one such pass (disagg validate measures it)
+    decode_share: float = Field(default=0.5, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

@@ -5,7 +5,8 @@ Stages, each announced through `say`:
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
-   profile replays add;
+   profile replays add; where the disaggregated servers share one GPU, how they share it
+   (`measure_share`, a run of its own), which every replay gets;
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
@@ -38,6 +39,7 @@ import pandas as pd
 from disagg.config import Experiment, load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import Verdict, fidelity_table, plot_cdfs, plot_ratios, write_report
+from disagg.share import decode_line, decode_share
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -425,7 +427,7 @@ def measure_loop(
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
-    dirs = [out / f"{rate:g}rps" for rate in rates]
+    dirs = loop_runs(out, rates)
     for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
         seed = coloc.seed + CALIBRATION_SEED + i
         run_hw(coloc.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
@@ -440,6 +442,37 @@ def measure_loop(
             costs["profile_chunk_offsets"] = offsets
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
+
+
+def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
+    """Where `measure_loop` under `out` puts its colocated run at each of `rates`."""
+    return [out / f"{rate:g}rps" for rate in rates]
+
+
+def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> float | None:
+    """The decode share of this host's GPU (disagg.share) where the experiments' disaggregated
+    servers all run on one GPU (`cluster.shared_gpu` in their runs): a disaggregated run of its
+    own seed at the highest of `rates` (`out/disagg-RATErps`), against the decode passes of
+    `measure_loop`'s colocated runs under `out` (one process on the GPU). Written to
+    `out/share.json`; None where the servers have GPUs of their own, or no GPU."""
+    import torch
+
+    from disagg.hw.driver import hw_experiment, run_hw
+
+    disagg = next((e for e in exps if e.cluster.mode == "disagg"), None)
+    disagg = disagg or other_mode(exps[0])
+    if not hw_experiment(disagg, torch.cuda.device_count()).cluster.shared_gpu:
+        return None
+    rate = max(rates)
+    where = out / f"disagg-{rate:g}rps"
+    seed = disagg.seed + CALIBRATION_SEED + len(rates)
+    run_hw(disagg.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
+    alone = decode_line(
+        pd.concat(pd.read_parquet(d / "steps.parquet") for d in loop_runs(out, rates))
+    )
+    share = decode_share(pd.read_parquet(where / "steps.parquet"), alone)
+    (out / "share.json").write_text(json.dumps({"decode_share": share}, indent=2) + "\n")
+    return share
 
 
 def validate(
@@ -464,6 +497,9 @@ def validate(
     costs = measure_loop(exps, out / "calibration", ends, csv, opts.sim_overrides)
     loads = " and ".join(f"{rate:g}" for rate in ends)
     say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}")
+    share = measure_share(exps, out / "calibration", ends)
+    if share is not None:
+        say(f"shared GPU (a disaggregated run of its own at {max(ends):g} req/s): {share=:.3f}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s
@@ -492,6 +528,10 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
+    shared = out / "calibration" / "share.json"
+    if shared.exists():  # where the servers shared one GPU; the caller's overrides come after
+        share = json.loads(shared.read_text())["decode_share"]
+        sim_overrides = [f"cluster.decode_share={share!r}", *sim_overrides]
     sources = (("sim_profile", profiled(csv, costs)), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}

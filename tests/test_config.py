@@ -30,6 +30,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_o
         "decode": {"nodes": 3, **group},
         "router": {"name": "least_loaded"},
         "shared_gpu": False,
+        "decode_share": 0.5,
     }
     assert Experiment().cluster.router == LeastLoadedConfig()
 

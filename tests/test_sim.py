@@ -9,7 +9,9 @@ from disagg.config import load_experiment
 from disagg.core.metrics import requests_table, steps_table, transfers_table
 from disagg.errors import ConfigError
 from disagg.hardware import get_nic
-from disagg.sim.cluster import Sim
+from disagg.sim.clock import Clock
+from disagg.sim.cluster import Proc, Sim
+from disagg.sim.gpu import SharedGPU
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 SHORT = ["workload.duration_s=20"]
@@ -271,20 +273,56 @@ def _overlaps(steps: pd.DataFrame) -> int:
     )
 
 
-def test_nodes_on_a_shared_gpu_take_turns_and_their_decodes_wait_out_prefill_passes() -> None:
-    """cluster.shared_gpu (a hw run on one device): no two nodes' passes overlap, some waited
-    for another's, and decode passes (each one pass: the next takes its turn) are longer at the
-    tail than on GPUs of their own, where prefill and decode passes do overlap."""
-    own, shared = (
-        simulate("qwen3moe-h200-1p3d.toml", f"cluster.shared_gpu={s}") for s in ("false", "true")
+def _ends(passes: list[tuple[float, float, bool]], share: float) -> list[float]:
+    """When each (start, seconds alone, decode-only) pass ends on a SharedGPU."""
+    env, ends = Clock(), [0.0] * len(passes)
+    gpu = SharedGPU(env, share)
+
+    def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
+        yield start
+        yield from gpu.run(seconds, decode_only)
+        ends[i] = env.now
+
+    for i, p in enumerate(passes):
+        env.start(one(i, *p))
+    env.run()
+    return ends
+
+
+def test_passes_sharing_a_gpu_advance_at_their_weights() -> None:
+    """Hand arithmetic, decode share 0.25: a 6 ms decode beside a 30 ms prefill runs at 1/4 and
+    ends at 24 ms, when the prefill has done 18 ms at 3/4 and runs its last 12 alone (36 ms:
+    the work is conserved). A decode starting at 10 ms, when the prefill has 20 ms left: it
+    ends at 10 + 24 = 34, the prefill (18 more done) at 36. Alone, a pass takes its time."""
+    assert _ends([(0.0, 6e-3, True), (0.0, 30e-3, False)], 0.25) == pytest.approx(
+        [24e-3, 36e-3], abs=1e-12
     )
-    own_steps, shared_steps = tables(own)[1], tables(shared)[1]
-    assert _overlaps(own_steps) > 0 and _overlaps(shared_steps) == 0
-    assert shared.gpu is not None and shared.gpu.waits > 0 and shared.gpu.waited_s > 0
-    assert own.gpu is None and "gpu_waits" not in own.network_summary()
-    assert shared.network_summary()["gpu_waits"] == shared.gpu.waits
-    decodes = shared_steps[shared_steps.kind == "decode"]
-    assert (decodes.steps == 1).all()
-    itl = [tables(s)[0].tpot_s.quantile(0.9) for s in (own, shared)]
-    assert itl[1] > itl[0]
-    assert (tables(shared)[0].status == "finished").all()
+    assert _ends([(10e-3, 6e-3, True), (0.0, 30e-3, False)], 0.25) == pytest.approx(
+        [34e-3, 36e-3], abs=1e-12
+    )
+    assert _ends([(0.0, 6e-3, True)], 0.25) == pytest.approx([6e-3], abs=1e-15)
+    # two decodes and a prefill: weights 1/4, 1/4, 3/4; the 2 ms decode ends at 2 / (1/5) = 10
+    # ms, the other (4 ms, 2 done) at 10 + 2 / (1/4) = 18, the prefill (30 ms) at 36
+    ends = _ends([(0.0, 2e-3, True), (0.0, 4e-3, True), (0.0, 30e-3, False)], 0.25)
+    assert ends == pytest.approx([10e-3, 18e-3, 36e-3], abs=1e-12)
+
+
+def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:
+    """cluster.shared_gpu (a hw run on one device): passes of different nodes still overlap,
+    but those that do take longer than alone, and a larger decode share trades prefill speed
+    (TTFT) for decode speed (TPOT); every request still finishes."""
+    own = simulate("qwen3moe-h200-1p3d.toml")
+    low, high = (
+        simulate("qwen3moe-h200-1p3d.toml", "cluster.shared_gpu=true", f"cluster.decode_share={s}")
+        for s in (0.2, 0.8)
+    )
+    assert own.gpu is None and "gpu_shared_passes" not in own.network_summary()
+    for sim in (low, high):
+        assert sim.gpu is not None and sim.gpu.shared > 0 and sim.gpu.lost_s > 0
+        assert sim.network_summary()["gpu_shared_passes"] == sim.gpu.shared
+        assert _overlaps(tables(sim)[1]) > 0
+        assert (tables(sim)[0].status == "finished").all()
+        assert (tables(sim)[1].query("kind == 'decode'").steps == 1).all()
+    req = {name: tables(sim)[0] for name, sim in (("own", own), ("low", low), ("high", high))}
+    assert req["low"].tpot_s.median() > req["high"].tpot_s.median() > req["own"].tpot_s.median()
+    assert req["high"].ttft_s.median() > req["low"].ttft_s.median()

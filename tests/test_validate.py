@@ -392,6 +392,17 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
     assert res.exit_code == 0, res.output
     pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
+    # the CPU's servers share no GPU: no decode share measured; one measured on a GPU goes into
+    # every replay (which, its servers not sharing one, simulate as before)
+    assert not (out / "calibration" / "share.json").exists()
+    assert "shared GPU" not in res.output
+    (out / "calibration" / "share.json").write_text(json.dumps({"decode_share": 0.3}))
+    res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
+    assert res.exit_code == 0, res.output
+    for source in ("sim-profile", "sim-roofline"):
+        replayed = json.loads((out / source / "disagg-60rps" / "experiment.json").read_text())
+        assert replayed["cluster"]["decode_share"] == 0.3
+    pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
 
     # two experiments given: each as it is, by mode; a tolerance nothing meets
     coloc = tmp_path / "coloc.json"

@@ -144,8 +144,8 @@ class Summary(BaseModel):
     # -- the simulator ------------------------------------------------------------------------
     nic_bytes_max: float | None = _opt("bytes sent by the busiest sending NIC")
     nic_busy_max: float | None = _opt("fraction of the run the busiest NIC was busy")
-    gpu_waits: int | None = _opt("passes that waited for another node's on a shared GPU")
-    gpu_waited_s: float | None = _opt("their waits, all together (cluster.shared_gpu)")
+    gpu_shared_passes: int | None = _opt("passes that ran beside another node's on one GPU")
+    gpu_shared_lost_s: float | None = _opt("what sharing it added to them (cluster.shared_gpu)")
     profile_passes: int | None = _opt("passes a measured profile costed (cost.source=profile)")
     profile_passes_extrapolated: int | None = _opt(
         "of them, passes beyond the profiled grid (extrapolated)"

@@ -176,10 +176,7 @@ class Node(Generic[R]):
 
     # -- the loop
     def loop(self) -> Proc:
-        """Ask the role for a batch, run it, repeat; sleep while there is nothing to do. On a
-        GPU shared with other nodes, a batch waits its turn there (as a hw server's kernels,
-        launched, wait for another process's pass)."""
-        gpu = self.sim.gpu
+        """Ask the role for a batch, run it, repeat; sleep while there is nothing to do."""
         while not self.dead:
             if self.env._now < self.stopped_until:
                 yield from self.frozen()
@@ -187,12 +184,16 @@ class Node(Generic[R]):
             batch = self.role.next_batch()
             if not batch.chunks and not batch.decodes:  # batch.empty, inlined
                 yield self._wake  # until the node's wake()
-            elif gpu is None:
-                yield from self.run_pass(batch)
             else:
-                yield from gpu.take()
                 yield from self.run_pass(batch)
-                gpu.give()
+
+    def busy(self, seconds: float, decode_only: bool) -> Proc:
+        """One pass of `seconds`: that long, or on a GPU shared with other nodes, as long as
+        its share there makes it."""
+        if self.sim.gpu is None:
+            yield seconds
+        else:
+            yield from self.sim.gpu.run(seconds, decode_only)
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError
@@ -220,7 +221,8 @@ class Node(Generic[R]):
     ) -> Generator[Any, Any, tuple[int, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight), one pass only on a GPU shared with other nodes
-        (the next takes its turn there); returns the passes run and when the first ended.
+        (its share there changes as theirs begin and end); returns the passes run and when
+        the first ended.
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
         a, b = self.cost.decode_line(len(decodes))
@@ -232,8 +234,11 @@ class Node(Generic[R]):
         k0 = float(context)
         grow = len(decodes) * tokens_per_step
         elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
-        n = 1 if self.sim.gpu else max(1, -int(-least // tokens_per_step))  # steps_to_finish
         env = self.env
+        if self.sim.gpu is not None:
+            yield from self.sim.gpu.run(a + b * k0, True)
+            return 1, env._now
+        n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
         steps, now = n, env._now
@@ -329,11 +334,12 @@ class PrefillNode(Node[PrefillRole]):
         pass  # stamped on the run's own request object
 
     def run_pass(self, batch: Batch) -> Proc:
-        t0 = self.env._now
-        self.pass_step = (t0, self.cost.step_time(self.shape(batch)))
+        t0, gpu = self.env._now, self.sim.gpu
+        step_s = self.cost.step_time(self.shape(batch))
+        self.pass_step = (t0, step_s if gpu is None else gpu.expected_s(step_s, False))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
-        yield self.pass_step[1]
+        yield from self.busy(step_s, False)
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         self.pass_step = None
@@ -390,7 +396,7 @@ class ColocatedNode(Node[ColocatedRole]):
             steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
         else:
             steps = 1
-            yield self.cost.step_time(self.shape(batch))
+            yield from self.busy(self.cost.step_time(self.shape(batch)), False)
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
@@ -447,7 +453,7 @@ class Sim:
         self.transfers = TransferModel(exp, self.network, self.rng)
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
-        self.gpu = SharedGPU(self.env) if c.shared_gpu else None
+        self.gpu = SharedGPU(self.env, c.decode_share) if c.shared_gpu else None
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
             if c.mode == "colocated"
@@ -588,10 +594,10 @@ class Sim:
 
     def network_summary(self) -> dict[str, float]:
         """Busiest sending NIC: bytes it sent and the fraction of the run it was busy; on a
-        shared GPU, the passes that waited for another node's and their wait."""
+        shared GPU, the passes that shared it and the time that cost them."""
         out: dict[str, float] = {}
         if self.gpu is not None:
-            out = {"gpu_waits": self.gpu.waits, "gpu_waited_s": self.gpu.waited_s}
+            out = {"gpu_shared_passes": self.gpu.shared, "gpu_shared_lost_s": self.gpu.lost_s}
         keys = list(self.network.nics)
         if keys:
             out["nic_bytes_max"] = max(self.transfers.nic_bytes.values(), default=0.0)

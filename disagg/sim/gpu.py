@@ -1,12 +1,13 @@
 """One GPU that several simulated nodes share (`cluster.shared_gpu`), as the processes of a hw
-run on a single device do: a pass runs only while no other node's pass holds the GPU, and
-nodes waiting for it take their turns in the order they asked. Whole turns are the first-order
-model: on one H200 the processes' passes time-slice, so a decode pass that meets a prefill pass
-is slowed, not held for all of it (docs/calibration.md)."""
+run on a single device do. The GPU time-slices between them (measured on one H200: a decode
+pass that meets another process's prefill pass is slowed, neither run at full speed nor held
+for the rest of it, docs/calibration.md), so passes that overlap share it by weight: each
+advances at its weight over the weights of the passes running, a decode-only pass weighing
+`cluster.decode_share` and one with a prompt chunk the rest of one. A pass alone runs at full
+speed; the GPU's work is conserved."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Generator
 from typing import Any
 
@@ -14,28 +15,60 @@ from disagg.sim.clock import Clock, Signal
 
 
 class SharedGPU:
-    """Turns on one GPU: `take` (a light process's `yield from`) returns once the GPU is this
-    caller's; `give` hands it to the next waiting, or leaves it free."""
+    """The passes running on one GPU: `run` (a light process's `yield from`) takes as long as
+    `seconds` of the GPU to itself take at the shares the passes beside it leave."""
 
-    def __init__(self, env: Clock) -> None:
+    def __init__(self, env: Clock, decode_share: float) -> None:
         self.env = env
-        self.held = False
-        self.waiting: deque[Signal] = deque()
-        self.waits = 0  # passes that waited for another node's pass
-        self.waited_s = 0.0  # and how long, all together
+        self.weights = (decode_share, 1.0 - decode_share)  # decode-only, with a prompt chunk
+        self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
+        self.at = 0.0  # when the work left was last brought up to date
+        self.turn = 0  # the completion timer set last (earlier ones are stale)
+        self.shared = 0  # passes that ran beside another
+        self.lost_s = 0.0  # what sharing added to them, all together
 
-    def take(self) -> Generator[Any, Any, None]:
-        if not self.held:
-            self.held = True
+    def weight(self, decode_only: bool) -> float:
+        return self.weights[0] if decode_only else self.weights[1]
+
+    def expected_s(self, seconds: float, decode_only: bool) -> float:
+        """How long a pass of `seconds` started now would take if the passes running now ran
+        throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
+        w = self.weight(decode_only)
+        return seconds * (w + sum(p[1] for p in self.running.values())) / w
+
+    def run(self, seconds: float, decode_only: bool) -> Generator[Any, Any, None]:
+        env = self.env
+        self._advance()
+        done, t0 = env.event(), env._now
+        self.running[done] = [seconds, self.weight(decode_only)]
+        self._schedule()
+        yield done
+        if env._now - t0 > seconds * (1 + 1e-9):
+            self.shared += 1
+            self.lost_s += env._now - t0 - seconds
+
+    def _advance(self) -> None:
+        now = self.env._now
+        if self.running:
+            total = sum(p[1] for p in self.running.values())
+            for p in self.running.values():
+                p[0] -= (now - self.at) * p[1] / total
+        self.at = now
+
+    def _schedule(self) -> None:
+        """Set a timer for the first of the running passes to end at the present shares."""
+        self.turn += 1
+        if not self.running:
             return
-        turn, asked = self.env.event(), self.env._now
-        self.waiting.append(turn)
-        yield turn
-        self.waits += 1
-        self.waited_s += self.env._now - asked
+        total = sum(p[1] for p in self.running.values())
+        first, (left, w) = min(self.running.items(), key=lambda item: item[1][0] / item[1][1])
+        turn = self.turn
+        self.env.call(max(0.0, left * total / w), lambda: self._end(turn, first))
 
-    def give(self) -> None:
-        if self.waiting:
-            self.waiting.popleft().succeed()  # still held: now by the next in line
-        else:
-            self.held = False
+    def _end(self, turn: int, first: Signal) -> None:
+        if turn != self.turn:
+            return  # a pass began or ended since this timer was set
+        self._advance()
+        del self.running[first]
+        first.succeed()
+        self._schedule()

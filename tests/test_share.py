@@ -1,0 +1,75 @@
+"""The decode share of a shared GPU, fitted from steps tables (disagg.share)."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from disagg.config import Experiment, load_experiment
+from disagg.core.metrics import STEP_COLUMNS, steps_table
+from disagg.errors import ConfigError
+from disagg.share import decode_line, decode_share, overlap_segments
+from disagg.sim.cluster import Sim
+from disagg.validate_plan import other_mode
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+
+
+def _steps(exp: Experiment) -> pd.DataFrame:
+    sim = Sim(exp)
+    sim.run()
+    return steps_table(sim.rec)
+
+
+def _rows(*passes: tuple[str, float, float, int, int]) -> pd.DataFrame:
+    """Steps rows of (node, start, duration, decode seqs, prefill tokens), one pass each."""
+    rows = [
+        {"node": n, "kind": "decode" if not p else "prefill", "start_s": t, "duration_s": d}
+        | {"steps": 1, "batch_size": b, "decode_seqs": b, "tokens": b + p, "prefill_tokens": p}
+        | {"device_s": np.nan}
+        for n, t, d, b, p in passes
+    ]
+    return pd.DataFrame(rows, columns=STEP_COLUMNS)
+
+
+@pytest.mark.parametrize("path", ["llama8b-h200.toml", "qwen3moe-h200-colocated.toml"])
+def test_the_fit_finds_the_share_a_simulated_shared_gpu_ran_at(path: str) -> None:
+    """A disaggregated run simulated on one shared GPU at a known decode share gives that
+    share back (within 1%), against the decode line of the colocated run (one process)."""
+    base = load_experiment(EXPERIMENTS / path, ["workload.duration_s=20"])
+    disagg = other_mode(base)
+    alone = decode_line(_steps(base))
+    for share in (0.25, 0.6):
+        steps = _steps(disagg.updated("cluster.shared_gpu=true", f"cluster.decode_share={share}"))
+        assert decode_share(steps, alone) == pytest.approx(share, rel=0.01)
+
+
+def test_a_decode_pass_inside_a_prefill_pass_gives_its_slowdown_as_the_share() -> None:
+    """Hand arithmetic: a 24 ms decode pass wholly inside a prefill pass of another node, 6 ms
+    alone, ran at a quarter: s / (s + 1 - s) = s = 0.25. A decode pass of a third node in the
+    same window (two decodes beside the prefill) would make it s / (2 s + 1 - s)."""
+    alone = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    assert alone(np.array([4.0])).tolist() == pytest.approx([6e-3])
+    one = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.010, 0.024, 1, 0))
+    assert decode_share(one, alone) == pytest.approx(0.25, rel=1e-9)
+    segments = overlap_segments(one)
+    assert list(segments) == [1]
+    seconds, decodes, others = segments[1]
+    assert seconds.tolist() == pytest.approx([0.024]) and decodes.tolist() == [1]
+    assert others.tolist() == [1]
+    # two 6 ms decodes of 20 ms each beside a prefill: 20 s / (1 + s) = 6 ms -> s = 3 / 7
+    two = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.010, 0.020, 1, 0), ("e", 0.010, 0.020, 1, 0))
+    assert decode_share(two, alone) == pytest.approx(3 / 7, rel=1e-9)
+
+
+def test_the_fit_says_why_it_cannot_fit() -> None:
+    alone = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    apart = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.050, 0.006, 1, 0))
+    with pytest.raises(ConfigError, match="no decode pass met a prompt pass"):
+        decode_share(apart, alone)
+    runs = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.010, 0.024, 1, 0)).assign(steps=2)
+    with pytest.raises(ConfigError, match="one pass a row"):
+        decode_share(runs, alone)
+    with pytest.raises(ConfigError, match="fewer than two decode passes"):
+        decode_line(apart.iloc[:1])
