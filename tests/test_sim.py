@@ -70,8 +70,10 @@ def test_layerwise_transfer_overlaps_prefill_and_whole_request_waits() -> None:
 
 
 def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
-    # the decoder's PrefillRequest lands mid-pass: what the pass produced by then is posted
-    # on arrival (a catch-up post), the rest layer by layer, so the KV is ready no later
+    """The prefill starts without the decoder's hop; the decoder's pages land mid-pass and, as
+    a hw server handles messages between passes, what the pass produced is posted at its end
+    (a catch-up post), so the KV lands later after the pass than layer by layer, and TTFT
+    gains less than the hop (no page leaked: Sim.check_end)."""
     hop = "transfer.control_latency_s=0.005"
     first = tables(simulate("qwen3coder-disagg-1p3d.toml", hop))[0].set_index("request_id")
     sim = simulate("qwen3coder-disagg-1p3d.toml", hop, "transfer.handoff=parallel")
@@ -79,8 +81,10 @@ def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
     assert (both.status == "finished").all() and len(both) == len(first) >= 20
     assert (both.prefill_start_s - both.arrival_s).min() == 0  # no hop before the prefill
     assert (first.prefill_start_s - first.arrival_s).min() >= 0.005 - 1e-9
+    landed = [(r.ready_s - r.prefill_end_s).median() for r in (first, both)]
+    assert landed[0] < 0.0002 < 0.001 < landed[1]
     saved = first.ttft_s - both.ttft_s
-    assert saved.min() > 0.0049 and saved.max() < 0.0051  # (no page leaked: Sim.check_end)
+    assert 0 < saved.median() < 0.005
 
 
 def test_parallel_handoff_under_memory_pressure_evicts_early_starts_and_loses_nothing() -> None:

@@ -121,15 +121,21 @@ class Node(Generic[R]):
         self.dead = False  # killed (a fault): handles nothing more
         self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
         self._held: list[Callable[[], None]] = []
+        self.in_pass = False  # a pass runs: events wait in the inbox for its end
+        self._inbox: list[Callable[[], None]] = []
 
-    # -- faults
+    # -- events
     def deliver(self, event: Callable[[], None]) -> None:
-        """Handle `event` (a message, immediates, a timer, a post's end) now, or when a stopped
-        node resumes; a dead node handles nothing."""
+        """Handle `event` (a message, immediates, a timer, a post's end) now, or, as a hw
+        server's loop does, once the pass in flight has ended (a run of decode passes stops
+        there), or when a stopped node resumes; a dead node handles nothing."""
         if self.dead:
             return
         if self.env._now < self.stopped_until:
             self._held.append(event)
+        elif self.in_pass:
+            self._inbox.append(event)
+            self.wake()
         else:
             event()
 
@@ -143,7 +149,7 @@ class Node(Generic[R]):
             return  # dead, or stopped again for longer
         held, self._held = self._held, []
         for event in held:
-            event()
+            self.deliver(event)
         self.wake()
 
     def frozen(self) -> Proc:
@@ -184,8 +190,13 @@ class Node(Generic[R]):
             batch = self.role.next_batch()
             if not batch.chunks and not batch.decodes:  # batch.empty, inlined
                 yield self._wake  # until the node's wake()
-            else:
-                yield from self.run_pass(batch)
+                continue
+            self.in_pass = True
+            yield from self.run_pass(batch)
+            self.in_pass = False
+            inbox, self._inbox = self._inbox, []
+            for event in inbox:
+                self.deliver(event)
 
     def busy(self, seconds: float, decode_only: bool) -> Proc:
         """One pass of `seconds`: that long, or on a GPU shared with other nodes, as long as
@@ -242,7 +253,7 @@ class Node(Generic[R]):
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
         steps, now = n, env._now
-        if now < t0 + all_s and interruptible():
+        if now < t0 + all_s and (self._inbox or interruptible()):
             # elapsed(k) = qa k^2 + qb k: its root at now - t0 is about the passes done by now
             e, qa = now - t0, b * grow / 2
             qb = a + b * k0 - qa
