@@ -120,7 +120,8 @@ def test_a_degraded_nic_slows_the_transfers_that_cross_it() -> None:
         inside = x[(x.start_s >= 1.0) & (x.start_s < 1.4)]
         return (inside.end_s - inside.start_s).median()
 
-    assert took(slow) > 20 * took(plain)
+    # (a transfer ends when the decoder counts it, after its pass in flight: plain ~ a pass)
+    assert took(slow) > 10 * took(plain)
 
 
 def test_a_dropped_connection_fails_the_writes_in_flight_which_are_retried() -> None:

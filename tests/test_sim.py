@@ -63,9 +63,11 @@ def test_layerwise_transfer_overlaps_prefill_and_whole_request_waits() -> None:
     slow = ["hardware.nic=EFA", "cluster.decode.tp=4", "cluster.decode.dp=2"]
     layer = tables(simulate("qwen3coder-disagg-1p3d.toml", *slow))[0]
     whole = tables(simulate("qwen3coder-disagg-1p3d.toml", *slow, "transfer.policy=whole"))[0]
-    gap_layer = (layer.ready_s - layer.prefill_end_s).median()
-    gap_whole = (whole.ready_s - whole.prefill_end_s).median()
-    assert gap_layer < 0.001 < 0.005 < gap_whole  # one layer's transfer vs the whole cache
+    # one layer's transfer after the pass vs the whole cache's (the decoder counts what
+    # landed once its pass in flight ends: a decode pass is the median's floor)
+    gap_layer, gap_whole = ((t.ready_s - t.prefill_end_s) for t in (layer, whole))
+    assert gap_layer.min() < 0.0001 < 0.003 < gap_whole.min()
+    assert gap_layer.median() + 0.005 < gap_whole.median()
     assert whole.ttft_s.median() > layer.ttft_s.median()
 
 
@@ -82,7 +84,7 @@ def test_parallel_handoff_takes_the_control_hop_off_ttft() -> None:
     assert (both.prefill_start_s - both.arrival_s).min() == 0  # no hop before the prefill
     assert (first.prefill_start_s - first.arrival_s).min() >= 0.005 - 1e-9
     landed = [(r.ready_s - r.prefill_end_s).median() for r in (first, both)]
-    assert landed[0] < 0.0002 < 0.001 < landed[1]
+    assert landed[0] + 0.001 < landed[1]
     saved = first.ttft_s - both.ttft_s
     assert 0 < saved.median() < 0.005
 

@@ -325,16 +325,10 @@ class PrefillNode(Node[PrefillRole]):
                 error = f"{self.name} -> {decode.name}: {why}"
                 self.deliver(lambda: self.role.on_posted(cmd.req_id, False, error))
                 return
+            # the writes land; the decoder counts them, and this node hears, between passes
             imms = sim.transfers.immediates(req, cmd)
-            now = self.env._now
-            if now < decode.stopped_until:  # the writes land; the count waits
-                decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
-            else:
-                decode.role.on_immediates_by_rank(cmd.slot, imms)
-            if now < self.stopped_until:  # (this node is alive: deliver, inlined)
-                self._held.append(partial(self.role.on_posted, cmd.req_id))
-            else:
-                self.role.on_posted(cmd.req_id)
+            decode.deliver(partial(decode.role.on_immediates_by_rank, cmd.slot, imms))
+            self.deliver(partial(self.role.on_posted, cmd.req_id))
 
         sim.transfers.post(self.idx, req, cmd, self.pass_step, sim.rec, moved)
 
