@@ -61,6 +61,9 @@ def test_a_decode_pass_inside_a_prefill_pass_gives_its_slowdown_as_the_share() -
     # two 6 ms decodes of 20 ms each beside a prefill: 20 s / (1 + s) = 6 ms -> s = 3 / 7
     two = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.010, 0.020, 1, 0), ("e", 0.010, 0.020, 1, 0))
     assert decode_share(two, alone) == pytest.approx(3 / 7, rel=1e-9)
+    # a 12 ms decode pass whose first 2 ms ran alone (at full rate): 2 + 10 s = 6 -> s = 0.4
+    late = _rows(("p", 0.002, 0.040, 0, 2048), ("d", 0.0, 0.012, 1, 0))
+    assert decode_share(late, alone) == pytest.approx(0.4, rel=1e-9)
 
 
 def test_the_fit_says_why_it_cannot_fit() -> None:

@@ -311,6 +311,10 @@ def test_passes_sharing_a_gpu_advance_at_their_weights() -> None:
     # ms, the other (4 ms, 2 done) at 10 + 2 / (1/4) = 18, the prefill (30 ms) at 36
     ends = _ends([(0.0, 2e-3, True), (0.0, 4e-3, True), (0.0, 30e-3, False)], 0.25)
     assert ends == pytest.approx([10e-3, 18e-3, 36e-3], abs=1e-12)
+    # two decodes alone split the GPU evenly, whatever the share
+    assert _ends([(0.0, 2e-3, True), (0.0, 4e-3, True)], 0.1) == pytest.approx(
+        [4e-3, 6e-3], abs=1e-12
+    )
 
 
 def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:
