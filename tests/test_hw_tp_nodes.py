@@ -302,7 +302,7 @@ def test_a_run_records_whether_its_servers_share_one_gpu(
     sets: list[str], gpus: int, shared: bool
 ) -> None:
     """A hw run's experiment says cluster.shared_gpu where its servers (more than one process)
-    all land on one GPU of the host, so that its replay takes turns on one simulated GPU."""
+    all land on one GPU of the host, so that its replay shares one simulated GPU."""
     colocated = "cluster.mode=colocated" in sets
     tiny = (
         []

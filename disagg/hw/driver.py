@@ -100,7 +100,7 @@ def hw_experiment(exp: Experiment, gpus: int | None = None) -> Experiment:
 
 def shares_one_gpu(exp: Experiment, gpus: int) -> bool:
     """Whether the servers of `exp`, more than one process, all run on one CUDA GPU of a host
-    of `gpus` (`rank_devices`): their passes take turns there."""
+    of `gpus` (`rank_devices`): their passes share it there."""
     devices: set[int] = set()
     for role, g in exp.cluster.groups.items():
         device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device

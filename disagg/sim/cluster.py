@@ -194,9 +194,10 @@ class Node(Generic[R]):
             self.in_pass = True
             yield from self.run_pass(batch)
             self.in_pass = False
-            inbox, self._inbox = self._inbox, []
-            for event in inbox:
-                self.deliver(event)
+            if self._inbox:
+                inbox, self._inbox = self._inbox, []
+                for event in inbox:
+                    self.deliver(event)
 
     def busy(self, seconds: float, decode_only: bool) -> Proc:
         """One pass of `seconds`: that long, or on a GPU shared with other nodes, as long as
@@ -240,15 +241,14 @@ class Node(Generic[R]):
         # context tokens, and the output left of the request nearest its end (builtins over
         # the batch: this runs for every batch change)
         generated = list(map(_generated, decodes))
-        context = sum(map(_prompt_tokens, decodes)) + sum(map(int, generated))
-        least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
-        k0 = float(context)
-        grow = len(decodes) * tokens_per_step
-        elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
+        k0 = float(sum(map(_prompt_tokens, decodes)) + sum(map(int, generated)))
         env = self.env
         if self.sim.gpu is not None:
             yield from self.sim.gpu.run(a + b * k0, True)
             return 1, env._now
+        least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
+        grow = len(decodes) * tokens_per_step
+        elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
         n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
