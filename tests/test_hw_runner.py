@@ -215,3 +215,20 @@ def test_gpu_graphs_are_captured_up_to_the_limit_and_replay_the_eager_logits() -
     graphs.step(five)
     assert graphs.captured == [1, 2, 4, 8] and graphs.captured_on_demand == 1
     assert eager.captured == []
+
+
+def test_a_warm_up_pass_leaves_no_trace_in_the_pages_or_the_logits() -> None:
+    m = Transformer(tiny_gqa(), seed=3)
+    fresh = Runner(m, m.new_cache(24, PAGE))
+    warmed = Runner(m, m.new_cache(24, PAGE))
+    other = m.new_cache(24, PAGE)  # as a leader maps a follower's pages, written by its pass
+    Runner(m, other).step([Seq.of(PROMPTS[0], 0, _pages(0)[:3])])
+    assert any(bool(layer.any()) for layer in other.layers)
+    warmed.warm_up(1000, [other])  # more than the 24 pages of 4 tokens hold: all of them
+    for cache in (warmed.cache, other):
+        assert not any(bool(layer.any()) for layer in cache.layers)
+    assert warmed.steps == 1 and warmed.counter.read() == m.spec.layers
+    batch = [Seq.of(p, 0, _pages(i)[:3]) for i, p in enumerate(PROMPTS[:2])]
+    out, ref = warmed.step(batch, sample=True), fresh.step(batch, sample=True)
+    assert out.layers_before == m.spec.layers and ref.layers_before == 0
+    assert torch.equal(out.logits, ref.logits) and out.tokens == ref.tokens

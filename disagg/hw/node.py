@@ -115,6 +115,9 @@ class Server:
         self.runner = runner(
             self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
         )
+        if self.model.device.type == "cuda":  # the first pass's one-time costs, paid now
+            budget = getattr(self.exp.cluster, cfg.role).token_budget
+            self.runner.warm_up(budget, self.rank_caches[1:])
         self.stats = _Stats()
         self.t0 = time.time()
         self.running = True

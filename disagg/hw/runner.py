@@ -282,6 +282,24 @@ class Runner:
         with on_device(self.device):  # its streams, graphs and kernels, whatever is current
             return self._step(batch, sample)
 
+    def warm_up(self, tokens: int, caches: Sequence[KVCache] = ()) -> None:
+        """Run one eager pass of a prompt of `tokens` tokens (at most what the cache holds) over
+        the first pages, then zero those pages again: in this runner's cache, and in `caches`,
+        the other ranks' pages that the pass wrote, as their leader maps them. On a GPU a
+        process's first pass pays one-time costs (library handles, workspaces, kernels loaded
+        on first launch): a quarter of a second on an H200, which a server would otherwise
+        put into its first request's TTFT. The layer counter and the step count move on
+        together, as after any pass."""
+        size = self.cache.page_size
+        tokens = max(1, min(tokens, self.cache.num_pages * size))
+        pages = tuple(range(math.ceil(tokens / size)))
+        self.step([Seq.of([0] * tokens, 0, pages)])
+        for cache in (self.cache, *caches):
+            for layer in cache.layers:
+                layer[: len(pages)].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def plan_ahead(self, batch: Sequence[Seq]) -> bool:
         """Prepare the decode step of `batch` now (attention plan, inputs in its graph's
         buffers), so that the next step, if it is of exactly this batch, only replays the
