@@ -170,12 +170,71 @@ def markdown(table: pd.DataFrame, verdicts: list[Verdict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(table: pd.DataFrame, tolerances: Mapping[str, float], out: Path) -> list[Verdict]:
-    """Write out/fidelity.csv and out/fidelity.md; return the verdicts (judge)."""
+REPEAT_COLUMNS = ["run", "metric", "calibration", "validation", "gap"]
+
+
+def repeat_table(table: pd.DataFrame, calibration: pd.DataFrame) -> pd.DataFrame:
+    """The profile replay's sim/hw of each run in `calibration` (a fidelity table of runs at a
+    validation run's mode and load, on seeds of their own, labelled as that run) beside the
+    validation run's in `table`, by metric, and the gap between them (calibration less
+    validation): how far a cell moves on another workload of the same load."""
+    val = ratios(table).set_index(["run", "metric"]).sim_profile
+    cal = ratios(calibration)
+    rows = [
+        (run, metric, c, v, c - v)
+        for run, metric, c in zip(cal.run, cal.metric, cal.sim_profile, strict=True)
+        if not math.isnan(v := float(val.get((run, metric), math.nan)))
+    ]
+    return pd.DataFrame(rows, columns=REPEAT_COLUMNS)
+
+
+def repeat_markdown(repeats: pd.DataFrame) -> str:
+    """fidelity.md's section on the calibration runs (`repeat_table`): their sim/hw beside the
+    validation runs', and the largest gap per metric."""
+    metrics = list(dict.fromkeys(repeats.metric))
+    lines = [
+        "## Same mode and load, another seed",
+        "",
+        "Each cell is sim/hw on the profile: the calibration run at that run's mode and load (a "
+        "workload of its own seed) / the run. The calibration runs fitted the loop costs and "
+        "the decode share, so their cells are in sample. The gap between the two is how far "
+        "one run's cell moves from one workload to the next.",
+        "",
+        "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for run, g in repeats.groupby("run", sort=False):
+        by = g.set_index("metric")
+        cells = [
+            f"{_cell(by.calibration[m])} / {_cell(by.validation[m])}" if m in by.index else "-"
+            for m in metrics
+        ]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", f"Largest gap: {widest_gaps(repeats)}."]) + "\n"
+
+
+def widest_gaps(repeats: pd.DataFrame) -> str:
+    """The largest gap of `repeats` (`repeat_table`) by metric, in words."""
+    widest = repeats.gap.abs().groupby(repeats.metric, sort=False).max()
+    return ", ".join(f"{LABELS.get(str(m), str(m))} {float(g):.3f}" for m, g in widest.items())
+
+
+def write_report(
+    table: pd.DataFrame,
+    tolerances: Mapping[str, float],
+    out: Path,
+    repeats: pd.DataFrame | None = None,
+) -> list[Verdict]:
+    """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
+    are any, also as out/repeat.csv; return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
-    (out / "fidelity.md").write_text(markdown(table, verdicts))
+    text = markdown(table, verdicts)
+    if repeats is not None and len(repeats):
+        repeats.to_csv(out / "repeat.csv", index=False)
+        text += "\n" + repeat_markdown(repeats)
+    (out / "fidelity.md").write_text(text)
     return verdicts
 
 

@@ -38,7 +38,15 @@ import pandas as pd
 
 from disagg.config import Experiment, load_experiment
 from disagg.errors import ConfigError
-from disagg.fidelity import Verdict, fidelity_table, plot_cdfs, plot_ratios, write_report
+from disagg.fidelity import (
+    Verdict,
+    fidelity_table,
+    plot_cdfs,
+    plot_ratios,
+    repeat_table,
+    widest_gaps,
+    write_report,
+)
 from disagg.share import decode_line, decode_share
 from disagg.validate_plan import (
     DEFAULT_LOADS,
@@ -509,6 +517,19 @@ def validate(
     return replay_all(out, tolerances, opts.sim_overrides, say)
 
 
+def calibration_twins(out: Path, labels: Sequence[str]) -> list[tuple[str, Path]]:
+    """The calibration runs under `out/calibration` at a validation run's mode and load (on
+    seeds of their own), with that run's label: `measure_loop`'s colocated runs (`RATErps`)
+    and `measure_share`'s disaggregated one (`disagg-RATErps`)."""
+    twins = []
+    for label in labels:
+        mode, _, load = label.partition("-")
+        where = out / "calibration" / (load if mode == "colocated" else label)
+        if (where / "summary.json").exists():
+            twins.append((label, where))
+    return twins
+
+
 def replay_all(
     out: Path,
     tolerances: dict[str, float],
@@ -547,7 +568,16 @@ def replay_all(
                 passes = f"{summary['profile_passes_extrapolated']} of {summary['profile_passes']}"
                 say(f"replay {i}/{len(labels)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
-    report = Report(table, write_report(table, tolerances, out))
+    again: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, where in calibration_twins(out, labels):
+        say(f"replay: {where.name}, the calibration run at {label}'s mode and load (profile)")
+        summary, _ = replay(where, [*sim_overrides, *sources[0][1]], out / "sim-repeat" / label)
+        again[label] = {"hw": json.loads((where / "summary.json").read_text())}
+        again[label]["sim_profile"] = summary
+    repeats = repeat_table(table, fidelity_table(again)) if again else None
+    if repeats is not None:
+        say(f"same mode and load, another seed: sim/hw moves by up to {widest_gaps(repeats)}")
+    report = Report(table, write_report(table, tolerances, out, repeats))
     pass_report(
         {
             label: pass_table(

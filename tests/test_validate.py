@@ -13,7 +13,16 @@ import pytest
 
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
-from disagg.fidelity import COLUMNS, fidelity_table, judge, markdown, parse_tolerances
+from disagg.fidelity import (
+    COLUMNS,
+    REPEAT_COLUMNS,
+    fidelity_table,
+    judge,
+    markdown,
+    parse_tolerances,
+    repeat_markdown,
+    repeat_table,
+)
 from disagg.validate import PASS_COLUMNS, chunk_offsets, loop_costs, pass_gaps, pass_table
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
@@ -113,6 +122,29 @@ def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
     assert "0 of 2 cells met." in text
     assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** |" in text
     assert "None given" in markdown(table, [])
+
+
+def test_a_calibration_runs_ratios_stand_beside_its_validation_runs_with_the_gap() -> None:
+    """Run "a" again on another seed: TTFT p50 1.04 -> 0.91 (gap -0.13), TPOT p50 0.97 -> 1.0;
+    a run with no twin, and a metric the validation run has no ratio of (b's TPOT p50, hw 0),
+    give no row."""
+    again = {
+        "a": {"hw": HW | {"ttft_s_p50": 0.1}, "sim_profile": PROFILE | {"tpot_s_p50": 0.01}},
+        "b": {"hw": HW, "sim_profile": PROFILE},
+    }
+    got = repeat_table(fidelity_table(runs()), fidelity_table(again))
+    assert list(got.columns) == REPEAT_COLUMNS
+    by = got.set_index(["run", "metric"])
+    assert by.loc[("a", "ttft_s_p50")].tolist() == pytest.approx([1.04, 1.04, 0.0])
+    assert by.loc[("a", "tpot_s_p50")].tolist() == pytest.approx([1.0, 0.97, 0.03])
+    assert ("b", "tpot_s_p50") not in by.index and len(got) == 2 * len(HW) - 1
+    del again["b"]
+    again["a"]["hw"] = HW | {"ttft_s_p50": 0.2}  # sim/hw 0.52 against 1.04
+    text = repeat_markdown(repeat_table(fidelity_table(runs()), fidelity_table(again)))
+    assert (
+        "| a | 0.52 / 1.04 | 0.75 / 0.75 | 1 / 0.97 | 1.05 / 1.05 | 1 / 1 | 0.99 / 0.99 |" in text
+    )
+    assert "Largest gap: TTFT p50 0.520, TTFT p90 0.000, TPOT p50 0.030," in text
 
 
 def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
@@ -287,7 +319,8 @@ def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
 
 
 def _md_ratios(text: str) -> dict[str, list[tuple[float, float]]]:
-    rows = [line for line in text.splitlines() if line.startswith("| ") and " / " in line]
+    first = text.split("\n## ")[0]  # the main table's section, not the repeats'
+    rows = [line for line in first.splitlines() if line.startswith("| ") and " / " in line]
     out = {}
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -348,6 +381,22 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         assert ratios[run] == [
             (pytest.approx(p, rel=6e-4), pytest.approx(q, rel=6e-4)) for p, q in want
         ]
+    # the colocated calibration runs are the colocated runs' twins, on seeds of their own:
+    # each replayed on the profile, its sim/hw beside the run's
+    assert "same mode and load, another seed: sim/hw moves by up to TTFT p50" in res.output
+    repeats = pd.read_csv(out / "repeat.csv")
+    assert list(dict.fromkeys(repeats.run)) == ["colocated-20rps", "colocated-60rps"]
+    for run, g in repeats.groupby("run"):
+        twin = out / "calibration" / run.removeprefix("colocated-")
+        hw = json.loads((twin / "summary.json").read_text())
+        sim = json.loads((out / "sim-repeat" / run / "summary.json").read_text())
+        assert g.calibration.tolist() == pytest.approx([sim[m] / hw[m] for m in g.metric])
+        mine = table[table.run == run].set_index("metric")
+        assert g.validation.tolist() == pytest.approx(
+            [mine.sim_profile[m] / mine.hw[m] for m in g.metric]
+        )
+        assert g.gap.tolist() == pytest.approx((g.calibration - g.validation).tolist())
+    assert "## Same mode and load, another seed" in (out / "fidelity.md").read_text()
     # the pass-by-pass comparison: on the CPU no pass has a device time, so no rows
     assert list(pd.read_csv(out / "passes.csv").columns) == ["run", *PASS_COLUMNS]
     assert (out / "passes.md").read_text().startswith("# Passes: device time")
