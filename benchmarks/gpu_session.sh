@@ -22,7 +22,9 @@
 # to cores of its own or not.
 # VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags;
 # VALIDATE_EXP=experiments/qwen3moe-h200-colocated.toml validates that one instead, with
-# PREBUILD=qwen3-30b-a3b: the MoE model through validate).
+# PREBUILD=qwen3-30b-a3b: the MoE model through validate). VALIDATE_OUT=runs/validate-NAME puts
+# its directory in the checkout, which a warm machine keeps between calls: a validate longer
+# than one call goes on in the next with VALIDATE_ARGS="... --resume" (the same other flags).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -80,8 +82,9 @@ fi
   | tail -20 | tee -a "$LOG"
 cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
 [ -z "${VALIDATE:-}" ] || timeout "${VALIDATE_TIMEOUT:-560}" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
-  --device "cuda:$D" --out "$RUNS/validate" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
-[ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$RUNS" validate
+  --device "cuda:$D" --out "${VALIDATE_OUT:=$RUNS/validate}" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
+[ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' \
+  -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py tests/test_hw_profile.py \

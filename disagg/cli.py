@@ -711,6 +711,14 @@ def validate_cmd(
             "report (after a change to the simulator; no device, no experiments)"
         ),
     ] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="--out holds a validate run of the same options cut short (a device's time "
+            "limit): keep what it finished (profile, calibration, each hw run with a summary) "
+            "and do the rest"
+        ),
+    ] = False,
 ) -> None:
     """Say how far the simulator is from the real backend: profile the device, run the hw
     backend colocated and disaggregated at several loads, replay each run with the profile and
@@ -722,6 +730,8 @@ def validate_cmd(
         loads = tuple(float(r) for r in rates.split(",")) if rates is not None else None
     except ValueError:
         raise ConfigError(f"--rates {rates!r}: give comma-separated requests/s") from None
+    if replay and resume:
+        raise ConfigError("--replay and --resume: give one (--replay redoes only the replays)")
     if replay:
         from disagg.validate import replay_all
 
@@ -741,6 +751,7 @@ def validate_cmd(
         grid_points=grid_points,
         overrides=tuple(set_ or []),
         sim_overrides=tuple(sim_set or []),
+        resume=resume,
     )
     finish_report(validate(experiments or [], out, tolerances, opts, say))
 

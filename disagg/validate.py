@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,7 +71,8 @@ class Options:
     """How `validate` runs. `rates`: requests/s of each load (None: DEFAULT_LOADS of the
     capacity the profile implies); `requests`: workload.num_requests of every run (None: the
     experiment's); `overrides` apply to every experiment (hw runs and so their replays),
-    `sim_overrides` to the replays only; `grid_points`: values per profiled axis."""
+    `sim_overrides` to the replays only; `grid_points`: values per profiled axis; `resume`:
+    keep what an earlier run in the same directory finished (`validate`)."""
 
     device: str = "cpu"
     wire: str | None = None  # None: tcp on the CPU, cuda on a GPU
@@ -81,6 +83,7 @@ class Options:
     repeats: int = 5
     overrides: tuple[str, ...] = ()
     sim_overrides: tuple[str, ...] = ()
+    resume: bool = False
 
     def __post_init__(self) -> None:
         rates = self.rates
@@ -490,31 +493,75 @@ def validate(
     opts: Options = Options(),
     say: Callable[[str], None] = print,
 ) -> Report:
-    """Run the stages of the module doc; write the report under `out`; return it."""
+    """Run the stages of the module doc; write the report under `out`; return it. With
+    `opts.resume`, `out` holds a validate run of the same options cut short (a device's time
+    limit, say): what it finished is kept (the profile, the loop calibration, the share, each
+    hw run whose summary was written) and the rest is done."""
     from disagg.hw.driver import run_hw
 
     exps = prepare(paths, opts)
     spec, csv = exps[0].model.spec, (out / "profile.csv").resolve()
+    record_options(out, paths, opts)
     grid = profile_grid(exps, opts.grid_points)
-    say(f"profile: {spec.name} ({spec.layers} layers) on {opts.device}, grid {grid}")
-    start = time.perf_counter()
-    df = measure_profile(exps, opts, csv)
-    say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
+    if opts.resume and csv.exists():
+        say(f"profile: kept {csv}")
+    else:
+        say(f"profile: {spec.name} ({spec.layers} layers) on {opts.device}, grid {grid}")
+        start = time.perf_counter()
+        df = measure_profile(exps, opts, csv)
+        say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
     rates = _rates(exps, csv, opts, say)
     ends = sorted({min(rates), max(rates)})
-    costs = measure_loop(exps, out / "calibration", ends, csv, opts.sim_overrides)
-    loads = " and ".join(f"{rate:g}" for rate in ends)
-    say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}")
-    share = measure_share(exps, out / "calibration", ends)
+    cal, loads = out / "calibration", " and ".join(f"{rate:g}" for rate in ends)
+    if opts.resume and (cal / "calibration.json").exists():
+        costs, kept = json.loads((cal / "calibration.json").read_text()), ", kept"
+    else:
+        costs, kept = measure_loop(exps, cal, ends, csv, opts.sim_overrides), ""
+    say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}{kept}")
+    share: float | None
+    if opts.resume and (cal / "share.json").exists():
+        share, kept = json.loads((cal / "share.json").read_text())["decode_share"], ", kept"
+    else:
+        share, kept = measure_share(exps, cal, ends), ""
     if share is not None:
-        say(f"shared GPU (a disaggregated run of its own at {max(ends):g} req/s): {share=:.3f}")
+        at = f"a disaggregated run of its own at {max(ends):g} req/s"
+        say(f"shared GPU ({at}): {share=:.3f}{kept}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
-        rate = run.exp.workload.rate_per_s
-        say(f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)")
-        run_hw(run.exp, out / "hw" / run.label)
+        rate, where = run.exp.workload.rate_per_s, out / "hw" / run.label
+        what = f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)"
+        if opts.resume and (where / "summary.json").exists():
+            say(f"{what}, kept")
+            continue
+        say(what)
+        shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
+        run_hw(run.exp, where)
     (out / "runs.json").write_text(json.dumps([run.label for run in runs]) + "\n")
     return replay_all(out, tolerances, opts.sim_overrides, say)
+
+
+def record_options(out: Path, paths: Sequence[Path], opts: Options) -> None:
+    """Write what decides a validate run's stages to `out/validate.json`: the experiments as
+    given (before `prepare`, whose CPU device is measured anew each time) and the options;
+    with `opts.resume`, first check that the run in `out` had the same, else ConfigError
+    naming what differs."""
+    stages = asdict(opts) | {"resume": None, "sim_overrides": None}  # neither changes a stage
+    stages["experiments"] = [
+        load_experiment(path).model_dump(mode="json", exclude={"base_dir"}) for path in paths
+    ]
+    record = json.loads(json.dumps(stages))  # as validate.json holds it: lists, not tuples
+    path = out / "validate.json"
+    if opts.resume:
+        if not path.exists():
+            raise ConfigError(f"--resume: {out} holds no validate run to resume (no {path.name})")
+        before = json.loads(path.read_text())
+        for key, value in record.items():
+            if before.get(key) != value:
+                was = "other experiments" if key == "experiments" else repr(before.get(key))
+                now = "these" if key == "experiments" else repr(value)
+                raise ConfigError(f"--resume: {out} was validated with {key} {was}, not {now}")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def calibration_twins(out: Path, labels: Sequence[str]) -> list[tuple[str, Path]]:

@@ -453,6 +453,33 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         assert replayed["cluster"]["decode_share"] == 0.3
     pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
 
+    # --resume after a run cut short: the profile, the calibration and every hw run with its
+    # summary are kept; the run without one is done again, and only it
+    before = json.loads((out / "hw" / "disagg-20rps" / "summary.json").read_text())
+    (out / "hw" / "colocated-60rps" / "summary.json").unlink()
+    again = ["validate", str(TINY), *common, "--rates", "20,60", "--out", str(out)]
+    res = CliRunner().invoke(app, [*again, "--resume"])
+    assert res.exit_code == 0, res.output
+    for said in (
+        f"profile: kept {(out / 'profile.csv').resolve()}",
+        "serving loop (runs of their own at 20 and 60 req/s): ",
+        "hw run 1/4: disagg-20rps (disagg, 20 req/s), kept",
+        "hw run 3/4: colocated-20rps (colocated, 20 req/s), kept",
+    ):
+        assert said in res.output
+    assert "hw run 4/4: colocated-60rps (colocated, 60 req/s)\n" in res.output
+    assert ", kept" in res.output.split("serving loop")[1].splitlines()[0]
+    assert json.loads((out / "hw" / "disagg-20rps" / "summary.json").read_text()) == before
+    assert (out / "hw" / "colocated-60rps" / "summary.json").exists()
+    assert list(pd.read_csv(out / "fidelity.csv").run) == list(table.run)
+    # resuming with other options, or where nothing ran, is refused, naming why
+    res = CliRunner().invoke(app, [*again, "--resume", "--grid-points", "3"])
+    assert res.exit_code == 2 and "was validated with grid_points 2, not 3" in res.output
+    res = CliRunner().invoke(app, [*again[:-1], str(tmp_path / "none"), "--resume"])
+    assert res.exit_code == 2 and "holds no validate run to resume" in res.output
+    res = CliRunner().invoke(app, ["validate", "--out", str(out), "--replay", "--resume"])
+    assert res.exit_code == 2 and "--replay and --resume: give one" in res.output
+
     # two experiments given: each as it is, by mode; a tolerance nothing meets
     coloc = tmp_path / "coloc.json"
     coloc.write_text(other_mode(load_experiment(TINY)).model_dump_json())
