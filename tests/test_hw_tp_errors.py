@@ -23,10 +23,11 @@ import torch.distributed as dist
 from test_hw_tp_nodes import with_tp
 
 from disagg.config import build_experiment
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, DisaggError
+from disagg.hw.batch import Seq
 from disagg.hw.driver import Driver, check_hw_experiment
 from disagg.hw.protocol import NodeConfig
-from disagg.hw.ranks import join_node
+from disagg.hw.ranks import decode_pass, encode_pass, join_node
 
 # a Qwen3-MoE config.json at toy shapes whose experts are 18 wide: tp=4 splits its 4 query
 # heads and its 2 KV heads (replicated), not its experts
@@ -157,3 +158,22 @@ def test_ranks_started_for_different_world_sizes_are_an_error_naming_both(tmp_pa
             other.kill()
             other.join()
     assert not dist.is_initialized()
+
+
+def test_a_pass_goes_between_ranks_as_plain_json_and_anything_else_is_refused() -> None:
+    batch = [Seq.of([5, 9, 2], 0, [3, 4]), Seq.of([7], 12, [0, 8], hidden_at=-1, dp_rank=1)]
+    data = encode_pass(batch)
+    assert json.loads(data) == [[[5, 9, 2], 0, [3, 4], None, 0], [[7], 12, [0, 8], -1, 1]]
+    assert decode_pass(data) == batch
+    assert decode_pass(encode_pass(None)) is None
+    assert decode_pass(encode_pass([])) == []
+    for bad in (
+        b"\x80\x04K\x01.",  # a pickle
+        b"[[[5], 0, [3]]]",  # a Seq short of fields
+        b'[[[5], 0, [3], null, "0"]]',  # a string for an integer
+        b"[[[true], 0, [3], null, 0]]",  # a bool for a token
+        b"[[[], 0, [3], null, 0]]",  # no tokens: not a Seq
+        b"{}",
+    ):
+        with pytest.raises(DisaggError, match="the leader's pass is not one"):
+            decode_pass(bad)

@@ -7,9 +7,9 @@ messenger and the node's one wire. The others, the followers, only compute. Ever
 node's process group through a FileStore in the node's directory (`NodeConfig.tp_dir`): gloo on
 the CPU, and on GPUs (`rank_devices`: cuda:N+r each where the host has them, else all on the
 node's cuda:N) NCCL when every rank has a GPU of its own, gloo when they share one
-(`collective_backend`). Before each forward pass the leader broadcasts the pass's sequences;
-every rank runs the pass on its shard of the model (the all-reduces inside keep the ranks in
-step) and the leader samples.
+(`collective_backend`). Before each forward pass the leader broadcasts the pass's sequences,
+as JSON (`encode_pass`; nothing between ranks is pickled); every rank runs the pass on its
+shard of the model (the all-reduces inside keep the ranks in step) and the leader samples.
 
 DP attention (D > 1): one scheduler, the leader's, batches the requests of every group; each
 `Seq` names the group that holds its request (`disagg.hw.node.dp_rank`, a seeded draw per
@@ -310,7 +310,7 @@ class LeaderRunner(Runner):
         tp = self.model.tp
         assert tp is not None
         try:
-            dist.broadcast_object_list([list(batch)], src=0, group=tp.group)
+            send_pass(tp, batch)
             return super().step(batch, sample=sample)
         except RuntimeError as e:  # gloo's word for a peer that left
             raise DisaggError(f"a rank of this node's {tp.size} left its group: {e}") from e
@@ -322,7 +322,7 @@ class LeaderRunner(Runner):
         """Tell the followers the node is done (they leave their loops), then leave the group."""
         if dist.is_initialized() and self.model.tp is not None:
             with contextlib.suppress(RuntimeError):  # a follower gone already: the driver says
-                dist.broadcast_object_list([None], src=0, group=self.model.tp.group)
+                send_pass(self.model.tp, None)
             dist.destroy_process_group()
 
 
@@ -357,7 +357,56 @@ def follow(cfg: NodeConfig, rank: int) -> None:
 
 
 def receive(tp: TensorParallel) -> list[Seq] | None:
-    """The leader's next pass (None: stop)."""
-    got: list[list[Seq] | None] = [None]
-    dist.broadcast_object_list(got, src=0, group=tp.group)
-    return got[0]
+    """The leader's next pass (None: stop), as `send_pass` sent it."""
+    return decode_pass(_broadcast_bytes(tp, None))
+
+
+def send_pass(tp: TensorParallel, batch: Sequence[Seq] | None) -> None:
+    """Send the node's next pass (None: stop) from its leader to its followers."""
+    _broadcast_bytes(tp, encode_pass(batch))
+
+
+def encode_pass(batch: Sequence[Seq] | None) -> bytes:
+    """A pass as JSON of plain values, each Seq as [tokens, start, pages, hidden_at, dp_rank]:
+    what goes between a node's ranks is never pickled (gloo's sockets are the host's)."""
+    seqs = (
+        None
+        if batch is None
+        else [[list(s.tokens), s.start, list(s.pages), s.hidden_at, s.dp_rank] for s in batch]
+    )
+    return json.dumps(seqs, separators=(",", ":")).encode()
+
+
+def decode_pass(data: bytes) -> list[Seq] | None:
+    """`encode_pass`'s pass; DisaggError for anything that is not one."""
+    try:
+        seqs = json.loads(data)
+        if seqs is None:
+            return None
+        if not isinstance(seqs, list):
+            raise TypeError(f"a pass is a list of Seqs, not {type(seqs).__name__}")
+        return [_seq(*item) for item in seqs]
+    except (ValueError, TypeError, ConfigError) as e:  # not JSON, not a list of Seqs, bad Seq
+        raise DisaggError(f"the leader's pass is not one: {e}") from e
+
+
+def _seq(tokens: Any, start: Any, pages: Any, hidden_at: Any, dp_rank: Any) -> Seq:
+    ints = [*tokens, start, *pages, dp_rank, *([] if hidden_at is None else [hidden_at])]
+    if any(type(v) is not int for v in ints):
+        raise TypeError("a Seq of values other than integers")
+    return Seq(tuple(tokens), start, tuple(pages), hidden_at, dp_rank)
+
+
+def _broadcast_bytes(tp: TensorParallel, data: bytes | None) -> bytes:
+    """Broadcast `data` from the leader (given there, None on the followers): its length, then
+    its bytes, as tensors on the group's device (the current GPU under NCCL)."""
+    nccl = dist.get_backend(tp.group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0, group=tp.group)
+    if data is None:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    else:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.broadcast(buf, src=0, group=tp.group)
+    return buf.cpu().numpy().tobytes()
