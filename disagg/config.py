@@ -155,9 +155,11 @@ class ClusterConfig(_Frozen):
     # every node on one GPU, as a hw run on a single device records: passes of different nodes
     # that overlap share it (disagg/sim/gpu.py); false: each node has GPUs of its own
     shared_gpu: bool = False
-    # there, a decode-only pass's weight against a pass with a prompt chunk's 1 - decode_share:
-    # its share of the GPU beside one such pass (disagg validate measures it)
+    # there, a decode-only pass's share of the GPU beside one pass with a prompt chunk, and
+    # that pass's beside it; unset, 1 - decode_share: the GPU's work conserved (sim/gpu.py;
+    # disagg validate measures both)
     decode_share: float = Field(default=0.5, gt=0.0, lt=1.0)
+    prefill_share: float | None = Field(default=None, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

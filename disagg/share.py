@@ -1,14 +1,17 @@
 """How the passes of processes on one GPU share it, measured from a run's steps table: the
-`cluster.decode_share` that the simulator's shared GPU (disagg/sim/gpu.py) needs to give the
-decode passes the lengths they had.
+`cluster.decode_share` and `cluster.prefill_share` that the simulator's shared GPU
+(disagg/sim/gpu.py) needs to give the passes the lengths they had.
 
-A decode pass alone takes `alone(batch)` seconds (a line over batch size, fitted to the decode
-passes of a run with one process on the GPU). Beside other passes it advances at its weight
-over theirs: at share s, s / (s * decodes running + (1 - s) * others running), itself among
-the decodes. Given where every pass of the run began and ended, each decode pass's work at s
-is that rate summed over its time. The share is the s at which the decode passes that met a
-pass with a prompt chunk did as much work as they would alone; that work grows with s, so
-bisection finds it."""
+A pass alone takes `alone(size)` seconds: a line over batch size for a decode pass
+(`decode_line`), over chunk tokens for one with a prompt chunk (`chunk_line`), each fitted to
+the passes of a run with one process on the GPU. Beside other passes a pass advances at the
+simulator's pace: at decode share a and prefill share b, a decode pass's pace is
+min(1, (a + b) a / (a * decodes running + b * others running)), itself among the decodes, and
+a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's work. Given
+where every pass of the run began and ended, each pass's work at a share is that pace summed
+over its time. A share is the one at which the passes of its kind that met a pass of the other
+kind (of another node) did as much work as they would alone; that work grows with the share,
+so bisection finds it, the other share held. `shares` fits both, in turns."""
 
 from __future__ import annotations
 
@@ -20,60 +23,64 @@ import pandas as pd
 from disagg.errors import ConfigError
 
 SHARE_BOUNDS = (0.01, 0.99)
+PREFILL_BOUNDS = (0.01, 1.0)
+Line = Callable[[np.ndarray], np.ndarray]
 
 
-def decode_line(steps: pd.DataFrame) -> Callable[[np.ndarray], np.ndarray]:
-    """Seconds per decode pass as a line over batch size (least squares; a constant where
-    passes do not lengthen with the batch), from the decode-only passes of `steps`."""
+def _line(x: np.ndarray, per_pass: np.ndarray) -> Line:
+    """Least squares of `per_pass` over `x`; a constant where passes do not lengthen with x."""
+    slope, fixed = np.polyfit(x, per_pass, 1) if np.ptp(x) > 0 else (0.0, per_pass.mean())
+    if slope < 0:
+        slope, fixed = 0.0, float(np.median(per_pass))
+    return lambda size: fixed + slope * size
+
+
+def decode_line(steps: pd.DataFrame) -> Line:
+    """Seconds per decode pass as a line over batch size, from the decode-only passes of
+    `steps`."""
     decodes = steps[steps.prefill_tokens == 0]
     if len(decodes) < 2:
         raise ConfigError("the run for the decode pass alone has fewer than two decode passes")
-    seqs = decodes.decode_seqs.to_numpy(float)
     per_pass = (decodes.duration_s / decodes.steps).to_numpy(float)
-    slope, fixed = np.polyfit(seqs, per_pass, 1) if np.ptp(seqs) > 0 else (0.0, per_pass.mean())
-    if slope < 0:
-        slope, fixed = 0.0, float(np.median(per_pass))
-    return lambda batch: fixed + slope * batch
+    return _line(decodes.decode_seqs.to_numpy(float), per_pass)
 
 
-def overlap_segments(steps: pd.DataFrame) -> dict[int, tuple[np.ndarray, ...]]:
-    """The decode-only passes of `steps` (one pass a row) that overlap a pass with a prompt
-    chunk of another node, by position: each one's time cut where passes begin and end, as
-    (seconds, decodes running, others running) per piece."""
+def chunk_line(steps: pd.DataFrame) -> Line:
+    """Seconds per pass with a prompt chunk as a line over its chunk tokens, from those passes
+    of `steps`."""
+    chunks = steps[steps.prefill_tokens > 0]
+    if len(chunks) < 2:
+        raise ConfigError("the run for the chunk pass alone has fewer than two chunk passes")
+    per_pass = (chunks.duration_s / chunks.steps).to_numpy(float)
+    return _line(chunks.prefill_tokens.to_numpy(float), per_pass)
+
+
+def overlap_segments(steps: pd.DataFrame, decode: bool = True) -> dict[int, tuple[np.ndarray, ...]]:
+    """The passes of `steps` (one pass a row) of one kind, decode-only (`decode`) or with a
+    prompt chunk, that overlap a pass of the other kind of another node, by position: each
+    one's time cut where passes begin and end, as (seconds, decodes running, others running)
+    per piece."""
     start = steps.start_s.to_numpy(float)
     end = start + steps.duration_s.to_numpy(float)
-    decode = (steps.prefill_tokens == 0).to_numpy()
+    is_decode = (steps.prefill_tokens == 0).to_numpy()
     node = steps.node.to_numpy()
     out: dict[int, tuple[np.ndarray, ...]] = {}
-    for i in np.flatnonzero(decode):
+    for i in np.flatnonzero(is_decode == decode):
         a, b = start[i], end[i]
         near = (start < b) & (end > a)
-        if not (near & ~decode & (node != node[i])).any():
+        if not (near & (is_decode != decode) & (node != node[i])).any():
             continue
         cuts = np.unique(np.clip(np.concatenate([start[near], end[near], [a, b]]), a, b))
         mid = (cuts[:-1] + cuts[1:]) / 2
         on = (start[near][None, :] <= mid[:, None]) & (end[near][None, :] > mid[:, None])
-        out[int(i)] = (np.diff(cuts), on[:, decode[near]].sum(1), on[:, ~decode[near]].sum(1))
+        dec = is_decode[near]
+        out[int(i)] = (np.diff(cuts), on[:, dec].sum(1), on[:, ~dec].sum(1))
     return out
 
 
-def decode_share(steps: pd.DataFrame, alone: Callable[[np.ndarray], np.ndarray]) -> float:
-    """The share (module doc) that the decode passes of `steps`, a run of processes on one GPU,
-    show against `alone` seconds per pass by batch size (`decode_line`); within SHARE_BOUNDS."""
-    if (steps.steps > 1).any():
-        raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
-    segments = overlap_segments(steps)
-    if not segments:
-        raise ConfigError("no decode pass met a prompt pass of another node: no share to fit")
-    batch = steps.decode_seqs.to_numpy(float)[list(segments)]
-    want = float(alone(batch).sum())
-    pieces = zip(*segments.values(), strict=True)
-    seconds, ndec, nother = (np.concatenate(column) for column in pieces)
-
-    def work(s: float) -> float:
-        return float((seconds * s / (s * ndec + (1 - s) * nother)).sum())
-
-    lo, hi = SHARE_BOUNDS
+def _bisect(work: Callable[[float], float], want: float, bounds: tuple[float, float]) -> float:
+    """The share within `bounds` at which `work` (growing with it) comes to `want`."""
+    lo, hi = bounds
     if work(lo) >= want:
         return lo
     if work(hi) <= want:
@@ -82,3 +89,63 @@ def decode_share(steps: pd.DataFrame, alone: Callable[[np.ndarray], np.ndarray])
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if work(mid) < want else (lo, mid)
     return (lo + hi) / 2
+
+
+def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | None], float]:
+    """A fit of one kind's share, decode-only (`decode`) or with a chunk: given the other
+    kind's share (None: 1 - the decode share), the share at which that kind's overlapping
+    passes of `steps` did their work alone."""
+    if (steps.steps > 1).any():
+        raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
+    segments = overlap_segments(steps, decode)
+    if not segments:
+        raise ConfigError("no decode pass met a prompt pass of another node: no share to fit")
+    size = steps.decode_seqs if decode else steps.prefill_tokens
+    want = float(alone(size.to_numpy(float)[list(segments)]).sum())
+    pieces = zip(*segments.values(), strict=True)
+    seconds, ndec, nother = (np.concatenate(column) for column in pieces)
+
+    def at(other: float | None) -> float:
+        def work(x: float) -> float:
+            held = 1 - x if other is None else other
+            a, b = (x, held) if decode else (held, x)
+            total = a * ndec + b * nother
+            pace = np.minimum(1.0, (a + b) * (a if decode else b) / total)
+            pace[ndec + nother == 1] = 1.0  # alone: full speed
+            return float((seconds * pace).sum())
+
+        return _bisect(work, want, SHARE_BOUNDS if decode else PREFILL_BOUNDS)
+
+    return at
+
+
+def decode_share(steps: pd.DataFrame, alone: Line, prefill_share: float | None = None) -> float:
+    """The decode share (module doc) that the decode passes of `steps`, a run of processes on
+    one GPU, show against `alone` seconds per pass by batch size (`decode_line`), beside chunk
+    passes at `prefill_share` (None: 1 - the decode share); within SHARE_BOUNDS."""
+    return _fit(steps, alone, decode=True)(prefill_share)
+
+
+def prefill_share(steps: pd.DataFrame, alone: Line, decode_share: float) -> float:
+    """The prefill share that the chunk passes of `steps` show against `alone` seconds per pass
+    by chunk tokens (`chunk_line`), beside decode passes at `decode_share`; within
+    PREFILL_BOUNDS."""
+    return _fit(steps, alone, decode=False)(decode_share)
+
+
+def shares(
+    steps: pd.DataFrame, decode_alone: Line, chunk_alone: Line, turns: int = 20
+) -> tuple[float, float]:
+    """Both shares of `steps`, fitted in turns (each with the other held) from the conserved
+    decode share, until neither moves by 1e-9 or after `turns` turns."""
+    decode, prefill = _fit(steps, decode_alone, True), _fit(steps, chunk_alone, False)
+    a = decode(None)
+    b = 1 - a
+    for _ in range(turns):
+        b_new = prefill(a)
+        a_new = decode(b_new)
+        moved = max(abs(a_new - a), abs(b_new - b))
+        a, b = a_new, b_new
+        if moved < 1e-9:
+            break
+    return a, b

@@ -48,7 +48,7 @@ from disagg.fidelity import (
     widest_gaps,
     write_report,
 )
-from disagg.share import decode_line, decode_share
+from disagg.share import chunk_line, decode_line, shares
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -460,12 +460,16 @@ def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
     return [out / f"{rate:g}rps" for rate in rates]
 
 
-def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> float | None:
-    """The decode share of this host's GPU (disagg.share) where the experiments' disaggregated
+SHARES = ("decode_share", "prefill_share")  # share.json's keys: the cluster's fields
+
+
+def measure_share(
+    exps: Sequence[Experiment], out: Path, rates: Sequence[float]
+) -> dict[str, float] | None:
+    """How this host's GPU is shared (disagg.share) where the experiments' disaggregated
     servers all run on one GPU (`cluster.shared_gpu` in their runs): a disaggregated run of its
-    own seed at the highest of `rates` (`out/disagg-RATErps`), against the decode passes of
-    `measure_loop`'s colocated runs under `out` (one process on the GPU). Written to
-    `out/share.json`; None where the servers have GPUs of their own, or no GPU."""
+    own seed at the highest of `rates` (`out/disagg-RATErps`), fitted by `fit_shares`. Written
+    to `out/share.json`; None where the servers have GPUs of their own, or no GPU."""
     import torch
 
     from disagg.hw.driver import hw_experiment, run_hw
@@ -478,12 +482,31 @@ def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float])
     where = out / f"disagg-{rate:g}rps"
     seed = disagg.seed + CALIBRATION_SEED + len(rates)
     run_hw(disagg.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
-    alone = decode_line(
-        pd.concat(pd.read_parquet(d / "steps.parquet") for d in loop_runs(out, rates))
+    fitted = fit_shares(where, loop_runs(out, rates))
+    (out / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
+    return fitted
+
+
+def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
+    """The decode and prefill shares (`SHARES`) of the run in `shared`, its servers on one GPU,
+    against the passes of the runs in `alone`, one process on the GPU (`measure_loop`'s
+    colocated runs): their decode passes by batch size, their chunk passes by chunk tokens."""
+    steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
+    fitted = shares(
+        pd.read_parquet(shared / "steps.parquet"), decode_line(steps), chunk_line(steps)
     )
-    share = decode_share(pd.read_parquet(where / "steps.parquet"), alone)
-    (out / "share.json").write_text(json.dumps({"decode_share": share}, indent=2) + "\n")
-    return share
+    return dict(zip(SHARES, fitted, strict=True))
+
+
+def read_shares(path: Path) -> dict[str, float]:
+    """share.json's shares (`SHARES`; a file of an earlier validate may hold only the first)."""
+    fitted = json.loads(path.read_text())
+    return {k: float(fitted[k]) for k in SHARES if k in fitted}
+
+
+def said_shares(fitted: Mapping[str, float]) -> str:
+    a, b = (fitted.get(k, math.nan) for k in SHARES)
+    return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f})"
 
 
 def validate(
@@ -518,14 +541,14 @@ def validate(
     else:
         costs, kept = measure_loop(exps, cal, ends, csv, opts.sim_overrides), ""
     say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}{kept}")
-    share: float | None
+    fitted: dict[str, float] | None
     if opts.resume and (cal / "share.json").exists():
-        share, kept = json.loads((cal / "share.json").read_text())["decode_share"], ", kept"
+        fitted, kept = read_shares(cal / "share.json"), ", kept"
     else:
-        share, kept = measure_share(exps, cal, ends), ""
-    if share is not None:
+        fitted, kept = measure_share(exps, cal, ends), ""
+    if fitted is not None:
         at = f"a disaggregated run of its own at {max(ends):g} req/s"
-        say(f"shared GPU ({at}): {share=:.3f}{kept}")
+        say(f"shared GPU ({at}): {said_shares(fitted)}{kept}")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate, where = run.exp.workload.rate_per_s, out / "hw" / run.label
@@ -598,8 +621,8 @@ def replay_all(
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
     shared = out / "calibration" / "share.json"
     if shared.exists():  # where the servers shared one GPU; the caller's overrides come after
-        share = json.loads(shared.read_text())["decode_share"]
-        sim_overrides = [f"cluster.decode_share={share!r}", *sim_overrides]
+        given = [f"cluster.{k}={v!r}" for k, v in read_shares(shared).items()]
+        sim_overrides = [*given, *sim_overrides]
     sources = (("sim_profile", profiled(csv, costs)), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}

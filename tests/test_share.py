@@ -9,7 +9,14 @@ import pytest
 from disagg.config import Experiment, load_experiment
 from disagg.core.metrics import STEP_COLUMNS, steps_table
 from disagg.errors import ConfigError
-from disagg.share import decode_line, decode_share, overlap_segments
+from disagg.share import (
+    chunk_line,
+    decode_line,
+    decode_share,
+    overlap_segments,
+    prefill_share,
+    shares,
+)
 from disagg.sim.cluster import Sim
 from disagg.validate_plan import other_mode
 
@@ -45,6 +52,23 @@ def test_the_fit_finds_the_share_a_simulated_shared_gpu_ran_at(path: str) -> Non
         assert decode_share(steps, alone) == pytest.approx(share, rel=0.01)
 
 
+@pytest.mark.parametrize("path", ["llama8b-h200.toml", "qwen3moe-h200-colocated.toml"])
+def test_the_fit_finds_both_shares_a_simulated_gpu_of_more_capacity_ran_at(path: str) -> None:
+    """A disaggregated run simulated on one shared GPU at decode share 0.3 and prefill share
+    0.85 gives both back (within 1%), against the passes of the same run on GPUs of their own
+    (each pass alone)."""
+    disagg = other_mode(load_experiment(EXPERIMENTS / path, ["workload.duration_s=20"]))
+    apart = _steps(disagg)
+    shared = _steps(
+        disagg.updated(
+            "cluster.shared_gpu=true", "cluster.decode_share=0.3", "cluster.prefill_share=0.85"
+        )
+    )
+    assert shares(shared, decode_line(apart), chunk_line(apart)) == pytest.approx(
+        (0.3, 0.85), rel=0.01
+    )
+
+
 def test_a_decode_pass_inside_a_prefill_pass_gives_its_slowdown_as_the_share() -> None:
     """Hand arithmetic: a 24 ms decode pass wholly inside a prefill pass of another node, 6 ms
     alone, ran at a quarter: s / (s + 1 - s) = s = 0.25. A decode pass of a third node in the
@@ -64,6 +88,23 @@ def test_a_decode_pass_inside_a_prefill_pass_gives_its_slowdown_as_the_share() -
     # a 12 ms decode pass whose first 2 ms ran alone (at full rate): 2 + 10 s = 6 -> s = 0.4
     late = _rows(("p", 0.002, 0.040, 0, 2048), ("d", 0.0, 0.012, 1, 0))
     assert decode_share(late, alone) == pytest.approx(0.4, rel=1e-9)
+
+
+def test_a_prefill_pass_beside_a_decode_gives_its_slowdown_as_the_prefill_share() -> None:
+    """Hand arithmetic: a 40 ms pass of a 2048-token chunk, 30 ms alone, with a decode pass of
+    another node running throughout, ran at 0.75: beside one decode a chunk pass's pace is the
+    prefill share, whatever the decode share. Half of it alone (the decode ended at 20 ms):
+    20 + 20 b = 30 -> b = 0.5."""
+    alone = chunk_line(_rows(("c", 0.0, 0.015, 0, 1024), ("c", 0.1, 0.030, 0, 2048)))
+    assert alone(np.array([2048.0])).tolist() == pytest.approx([0.030])
+    one = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.0, 0.040, 1, 0))
+    for decode in (0.2, 0.4):
+        assert prefill_share(one, alone, decode) == pytest.approx(0.75, rel=1e-9)
+    half = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.0, 0.020, 1, 0))
+    assert prefill_share(half, alone, 0.3) == pytest.approx(0.5, rel=1e-9)
+    assert list(overlap_segments(half, decode=False)) == [0]
+    with pytest.raises(ConfigError, match="fewer than two chunk passes"):
+        chunk_line(one.iloc[:1])
 
 
 def test_the_fit_says_why_it_cannot_fit() -> None:

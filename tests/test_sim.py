@@ -279,10 +279,12 @@ def _overlaps(steps: pd.DataFrame) -> int:
     )
 
 
-def _ends(passes: list[tuple[float, float, bool]], share: float) -> list[float]:
+def _ends(
+    passes: list[tuple[float, float, bool]], share: float, prefill: float | None = None
+) -> list[float]:
     """When each (start, seconds alone, decode-only) pass ends on a SharedGPU."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share)
+    gpu = SharedGPU(env, share, prefill)
 
     def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
         yield start
@@ -315,6 +317,25 @@ def test_passes_sharing_a_gpu_advance_at_their_weights() -> None:
     assert _ends([(0.0, 2e-3, True), (0.0, 4e-3, True)], 0.1) == pytest.approx(
         [4e-3, 6e-3], abs=1e-12
     )
+
+
+def test_a_gpu_whose_passes_fill_each_others_gaps_does_more_than_one_alone() -> None:
+    """Hand arithmetic, decode share 0.25 and prefill share 0.85 (capacity 1.1): a 6 ms decode
+    beside a 30 ms prefill runs at 0.25 and ends at 24 ms, when the prefill has done 20.4 ms
+    at 0.85; its last 9.6 ms alone end at 33.6 ms. Beside two decodes the paces are 1.1 x
+    weight / 1.35. Two decodes alone run at 1.1 x 0.25 / 0.5 = 0.55 each, and a pass alone at
+    full speed, never faster."""
+    assert _ends([(0.0, 6e-3, True), (0.0, 30e-3, False)], 0.25, 0.85) == pytest.approx(
+        [24e-3, 33.6e-3], abs=1e-12
+    )
+    decode, prefill = 1.1 * 0.25 / 1.35, 1.1 * 0.85 / 1.35
+    ends = _ends([(0.0, 2e-3, True), (0.0, 2e-3, True), (0.0, 30e-3, False)], 0.25, 0.85)
+    first = 2e-3 / decode  # both decodes end together; the prefill then runs alone
+    assert ends == pytest.approx([first, first, first + 30e-3 - first * prefill], abs=1e-12)
+    assert _ends([(0.0, 2e-3, True), (0.0, 4e-3, True)], 0.25, 0.85) == pytest.approx(
+        [2e-3 / 0.55, 2e-3 / 0.55 + 2e-3], abs=1e-12
+    )
+    assert _ends([(0.0, 30e-3, False)], 0.25, 0.85) == pytest.approx([30e-3], abs=1e-15)
 
 
 def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:

@@ -445,12 +445,14 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     # no decode share measured here; one measured on a GPU goes into every replay (which, its
     # servers not sharing one, simulate as before)
     assert not (out / "calibration" / "share.json").exists()
-    (out / "calibration" / "share.json").write_text(json.dumps({"decode_share": 0.3}))
+    shared = {"decode_share": 0.3, "prefill_share": 0.8, "other": 1}  # "other": not a share
+    (out / "calibration" / "share.json").write_text(json.dumps(shared))
     res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
     assert res.exit_code == 0, res.output
     for source in ("sim-profile", "sim-roofline"):
         replayed = json.loads((out / source / "disagg-60rps" / "experiment.json").read_text())
         assert replayed["cluster"]["decode_share"] == 0.3
+        assert replayed["cluster"]["prefill_share"] == 0.8
     pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
 
     # --resume after a run cut short: the profile, the calibration and every hw run with its

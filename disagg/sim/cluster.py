@@ -458,7 +458,7 @@ class Sim:
         self.transfers = TransferModel(exp, self.network, self.rng)
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
-        self.gpu = SharedGPU(self.env, c.decode_share) if c.shared_gpu else None
+        self.gpu = SharedGPU(self.env, c.decode_share, c.prefill_share) if c.shared_gpu else None
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
             if c.mode == "colocated"

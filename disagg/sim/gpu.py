@@ -1,10 +1,14 @@
 """One GPU that several simulated nodes share (`cluster.shared_gpu`), as the processes of a hw
 run on a single device do. The GPU time-slices between them (measured on one H200: a decode
 pass that meets another process's prefill pass is slowed, neither run at full speed nor held
-for the rest of it, docs/calibration.md), so passes that overlap share it by weight: each
-advances at its weight over the weights of the passes running, a decode-only pass weighing
-`cluster.decode_share` and one with a prompt chunk the rest of one. A pass alone runs at full
-speed; the GPU's work is conserved."""
+for the rest of it, docs/calibration.md), so passes that overlap share it by weight: a
+decode-only pass weighs `cluster.decode_share` and one with a prompt chunk
+`cluster.prefill_share`, and each advances at its weight's part of the GPU's capacity, the two
+weights' sum, at most at full speed (`pace`). One of each: the decode pass runs at
+decode_share, the other at prefill_share. Unset, prefill_share is 1 - decode_share, so the
+capacity is 1 and the GPU's work is conserved; above that, passes beside each other do more
+than one GPU's work alone would, as a process's passes leave the GPU idle between their
+kernels, which another's fill. A pass alone runs at full speed."""
 
 from __future__ import annotations
 
@@ -14,13 +18,21 @@ from typing import Any
 from disagg.sim.clock import Clock, Signal
 
 
+def pace(weight: float, total: float, capacity: float) -> float:
+    """The pace of a pass of `weight` among running passes of `total` weight (its own
+    included) on a GPU of `capacity`: its weight's part of the capacity, at most 1; alone, 1."""
+    return 1.0 if total == weight else min(1.0, capacity * weight / total)
+
+
 class SharedGPU:
     """The passes running on one GPU: `run` (a light process's `yield from`) takes as long as
-    `seconds` of the GPU to itself take at the shares the passes beside it leave."""
+    `seconds` of the GPU to itself take at the paces the passes beside it leave."""
 
-    def __init__(self, env: Clock, decode_share: float) -> None:
+    def __init__(self, env: Clock, decode_share: float, prefill_share: float | None = None) -> None:
         self.env = env
-        self.weights = (decode_share, 1.0 - decode_share)  # decode-only, with a prompt chunk
+        prefill = 1.0 - decode_share if prefill_share is None else prefill_share
+        self.weights = (decode_share, prefill)  # decode-only, with a prompt chunk
+        self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
@@ -34,7 +46,7 @@ class SharedGPU:
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
         w = self.weight(decode_only)
-        return seconds * (w + sum(p[1] for p in self.running.values())) / w
+        return seconds / pace(w, w + sum(p[1] for p in self.running.values()), self.capacity)
 
     def run(self, seconds: float, decode_only: bool) -> Generator[Any, Any, None]:
         env = self.env
@@ -52,18 +64,19 @@ class SharedGPU:
         if self.running:
             total = sum(p[1] for p in self.running.values())
             for p in self.running.values():
-                p[0] -= (now - self.at) * p[1] / total
+                p[0] -= (now - self.at) * pace(p[1], total, self.capacity)
         self.at = now
 
     def _schedule(self) -> None:
-        """Set a timer for the first of the running passes to end at the present shares."""
+        """Set a timer for the first of the running passes to end at the present paces."""
         self.turn += 1
         if not self.running:
             return
         total = sum(p[1] for p in self.running.values())
-        first, (left, w) = min(self.running.items(), key=lambda item: item[1][0] / item[1][1])
+        ends = {s: p[0] / pace(p[1], total, self.capacity) for s, p in self.running.items()}
+        first = min(ends, key=ends.__getitem__)
         turn = self.turn
-        self.env.call(max(0.0, left * total / w), lambda: self._end(turn, first))
+        self.env.call(max(0.0, ends[first]), lambda: self._end(turn, first))
 
     def _end(self, turn: int, first: Signal) -> None:
         if turn != self.turn:
