@@ -197,7 +197,7 @@ def repeat_markdown(repeats: pd.DataFrame) -> str:
         "",
         "Each cell is sim/hw on the profile: the calibration run at that run's mode and load (a "
         "workload of its own seed) / the run. The calibration runs fitted the loop costs and "
-        "the decode share, so their cells are in sample. The gap between the two is how far "
+        "the shares, so their cells are in sample. The gap between the two is how far "
         "one run's cell moves from one workload to the next.",
         "",
         "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
@@ -231,6 +231,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
     text = markdown(table, verdicts)
+    (out / "repeat.csv").unlink(missing_ok=True)  # an earlier report's
     if repeats is not None and len(repeats):
         repeats.to_csv(out / "repeat.csv", index=False)
         text += "\n" + repeat_markdown(repeats)

@@ -5,13 +5,15 @@ Stages, each announced through `say`:
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
-   profile replays add; where the disaggregated servers share one GPU, how they share it
-   (`measure_share`, a run of its own), which every replay gets;
+   profile replays add; where the disaggregated servers share one GPU, how they share it (the
+   decode and prefill shares: `measure_share`, a run of its own), which every replay gets;
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
-   (`cost.source=profile:FILE`) and once with the roofline;
-4. write fidelity.csv / fidelity.md and the plots (disagg.fidelity) under `out`.
+   (`cost.source=profile:FILE`) and once with the roofline; and, on the profile, each
+   calibration run at a validation run's mode and load (`calibration_twins`), for how far a
+   cell moves on another workload;
+4. write fidelity.csv / fidelity.md / repeat.csv and the plots (disagg.fidelity) under `out`.
 
 On the CPU the hw runs record the CPU as their hardware (a custom GPU of the matmul rate and
 copy bandwidth measured here) and the tcp wire as a nominal loopback NIC, so the roofline
@@ -505,7 +507,9 @@ def read_shares(path: Path) -> dict[str, float]:
 
 
 def said_shares(fitted: Mapping[str, float]) -> str:
-    a, b = (fitted.get(k, math.nan) for k in SHARES)
+    """`fitted` shares in words, for the progress line (no prefill share: 1 - the decode's)."""
+    a = fitted["decode_share"]
+    b = fitted.get("prefill_share", 1 - a)
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f})"
 
 
