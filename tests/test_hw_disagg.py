@@ -272,6 +272,8 @@ def test_disaggregated_equals_colocated(
     assert [n.pool.num_pages for n in replay.nodes] == [128, 128]
     assert summary["completed"] == 5 and summary["failed"] == 0
     assert summary["transfer_ops_per_request"] > 0
+    # the servers' start, before the first request went out, is part of the run's wall time
+    assert 0 < written["startup_s"] < written["wall_s"]
     assert sorted(finished) == sorted(reference)
     for req_id, ref in reference.items():
         got = finished[req_id]

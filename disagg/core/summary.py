@@ -164,6 +164,7 @@ class Summary(BaseModel):
     host_share_by_node: dict[str, float] | None = _opt("host_share_of_pass_time per server")
     queue_parts_ms: dict[str, float] | None = _opt("median of each part of the queue, ms")
     stopped: str | None = _opt("why the run stopped early")
+    startup_s: float | None = _opt("wall time from the run's start until every server was up")
 
     def fields(self) -> dict[str, Any]:
         """Every field and extra that is not None, by name."""

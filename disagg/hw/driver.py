@@ -579,8 +579,10 @@ def run_hw(
     driver = Driver(exp, external, return_logits)
     exp = driver.exp
     stopped: TransportError | None = None
+    startup_s = math.nan
     try:
         driver.start()
+        startup_s = time.perf_counter() - start  # the servers' start: most of a short run
         driver.replay(progress)
     except TransportError as e:
         stopped = e
@@ -594,6 +596,7 @@ def run_hw(
     req, steps, xfers = tables(state, f"the run stopped: {stopped}" if stopped else "")
     summary = summarize(req, steps, xfers, len(driver.configs), wall, slo)
     summary |= {"experiment": exp.name, "backend": "hw", "wire": exp.hw.wire}
+    summary["startup_s"] = startup_s
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     counters = ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start")
     for key in (*counters, "messages_dropped", "peers_declared_dead", "faults_injected"):
