@@ -69,6 +69,9 @@ class HwConfig(_Frozen):
     # MoE experts: two grouped GEMMs where they run (CUDA-graph capturable), or one GEMM pair
     # per expert (the reference; expert parallelism always uses it)
     moe: Literal["grouped", "reference"] = "grouped"
+    # a pass of the role's token budget that each server runs and discards before it reports
+    # ready, so that no request's pass pays the process's one-time costs (None: on a GPU)
+    warm_up: bool | None = None
     bind: str = "tcp://127.0.0.1:*"  # the driver's control socket (loopback by default)
     # the control plane's authentication (docs/security.md): CURVE when a socket binds or
     # connects beyond loopback ("auto"), always ("curve"), or never ("off")

@@ -99,6 +99,18 @@ def test_tp_nodes_give_the_colocated_tokens(
     assert set(shm.glob("disagg-*")) <= before  # this run's ranks' files are gone
 
 
+def test_tp_nodes_that_warm_up_first_give_the_colocated_tokens(colocated, tmp_path: Path) -> None:
+    """With a warm-up pass at start (`hw.warm_up`, on a GPU by default): each leader runs it
+    with its followers and zeroes every rank's pages it wrote, and the layers the pass counted
+    do not reach the prefill leader's posts."""
+    model, reference = colocated
+    data = with_tp(model, 2, 2) | {"hw": {"warm_up": True}}
+    summary, state = run(tmp_path, "disagg-warm", data)
+    assert_same_outputs(summary, state, reference)
+    for name in ("prefill0", "decode0"):
+        assert summary["node_settings"][name]["warm_up_s"] > 0
+
+
 def test_a_colocated_node_of_two_ranks_gives_the_tp1_tokens(colocated, tmp_path: Path) -> None:
     """The same ranks serve a colocated node: prefill chunks and decodes in one TP2 pass."""
     model, reference = colocated

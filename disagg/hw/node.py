@@ -115,9 +115,14 @@ class Server:
         self.runner = runner(
             self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
         )
-        if self.model.device.type == "cuda":  # the first pass's one-time costs, paid now
-            budget = getattr(self.exp.cluster, cfg.role).token_budget
-            self.runner.warm_up(budget, self.rank_caches[1:])
+        self.warm_up_s: float | None = None  # its warm-up pass (None: none ran)
+        warm = self.hw.warm_up
+        if self.model.device.type == "cuda" if warm is None else warm:  # one-time costs, now
+            began = time.perf_counter()
+            self.runner.warm_up(
+                getattr(self.exp.cluster, cfg.role).token_budget, self.rank_caches[1:]
+            )
+            self.warm_up_s = time.perf_counter() - began
         self.stats = _Stats()
         self.t0 = time.time()
         self.running = True
@@ -155,7 +160,8 @@ class Server:
                 error,
                 self.stats.submits,
                 latency.held()
-                | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error},
+                | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error}
+                | {"warm_up_s": self.warm_up_s},
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
