@@ -17,9 +17,9 @@
 # moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
 # twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
 # (MOE_BENCH=0 leaves moe_bench.py out).
-# SPREAD=1 adds benchmarks/host_spread.py (SPREAD_ARGS: its flags; SPREAD_TIMEOUT, VALIDATE_TIMEOUT:
-# seconds, default 300 and 560): a colocated server's host time per pass, run to run, pinned
-# to cores of its own or not.
+# SPREAD=1 adds benchmarks/host_spread.py (SPREAD_ARGS: its flags; SPREAD_TIMEOUT: seconds,
+# default 300): a colocated server's host time per pass, run to run, pinned to cores of its own
+# or not. VALIDATE_TIMEOUT caps validate's seconds; it never gets more than the call has left.
 # VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags;
 # VALIDATE_EXP=experiments/qwen3moe-h200-colocated.toml validates that one instead, with
 # PREBUILD=qwen3-30b-a3b: the MoE model through validate). VALIDATE_OUT=runs/validate-NAME puts
@@ -81,10 +81,16 @@ fi
   experiments/llama8b-h200.toml --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
   | tail -20 | tee -a "$LOG"
 cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
-[ -z "${VALIDATE:-}" ] || timeout "${VALIDATE_TIMEOUT:-560}" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
-  --device "cuda:$D" --out "${VALIDATE_OUT:=$RUNS/validate}" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
-[ -z "${VALIDATE:-}" ] || tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' \
-  -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
+if [ -n "${VALIDATE:-}" ]; then
+  # what is left of the call (CALL_S, default 590 s) less 15 s for the tarball, at most
+  # VALIDATE_TIMEOUT: a validate cut short still comes back, and goes on with --resume
+  VT=$(( ${CALL_S:-590} - SECONDS - 15 )); VT=$(( ${VALIDATE_TIMEOUT:-$VT} < VT ? ${VALIDATE_TIMEOUT:-$VT} : VT ))
+  VALIDATE_OUT=${VALIDATE_OUT:-$RUNS/validate}
+  echo "validate: ${VT} s of the call left" | tee -a "$LOG"
+  timeout "$(( VT > 1 ? VT : 1 ))" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
+    --device "cuda:$D" --out "$VALIDATE_OUT" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
+  tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
+fi
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py tests/test_hw_profile.py \
