@@ -500,6 +500,19 @@ def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
     return dict(zip(SHARES, fitted, strict=True))
 
 
+def calibration_shares(cal: Path) -> dict[str, float]:
+    """The shares of a validate directory's calibration `cal`: fitted anew (`fit_shares`) on
+    its disaggregated run where it has one, so that a replay after a change to the fit gets the
+    change, and written to its share.json; else what share.json holds, if there is one."""
+    shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
+    alone = [d for d in sorted(cal.glob("*rps")) if not d.name.startswith("disagg-")]
+    if shared and alone:
+        fitted = fit_shares(shared[-1], alone)
+        (cal / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
+        return fitted
+    return read_shares(cal / "share.json") if (cal / "share.json").exists() else {}
+
+
 def read_shares(path: Path) -> dict[str, float]:
     """share.json's shares (`SHARES`; a file of an earlier validate may hold only the first)."""
     fitted = json.loads(path.read_text())
@@ -623,10 +636,10 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
-    shared = out / "calibration" / "share.json"
-    if shared.exists():  # where the servers shared one GPU; the caller's overrides come after
-        given = [f"cluster.{k}={v!r}" for k, v in read_shares(shared).items()]
-        sim_overrides = [*given, *sim_overrides]
+    fitted = calibration_shares(out / "calibration")
+    if fitted:  # where the servers shared one GPU; the caller's overrides come after
+        say(f"shared GPU: {said_shares(fitted)}")
+        sim_overrides = [*(f"cluster.{k}={v!r}" for k, v in fitted.items()), *sim_overrides]
     sources = (("sim_profile", profiled(csv, costs)), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}

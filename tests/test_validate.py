@@ -147,6 +147,43 @@ def test_a_calibration_runs_ratios_stand_beside_its_validation_runs_with_the_gap
     assert "Largest gap: TTFT p50 0.520, TTFT p90 0.000, TPOT p50 0.030," in text
 
 
+def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path: Path) -> None:
+    """A calibration with a disaggregated run on a shared GPU (simulated here at decode share
+    0.3 and prefill share 0.85) has its shares fitted again against its colocated-slot runs
+    (the same experiment on GPUs of their own: each pass alone) and written to share.json;
+    without such a run, share.json is read as it is, and without either there are none."""
+    from disagg.core.metrics import steps_table
+    from disagg.sim.cluster import Sim
+    from disagg.validate import calibration_shares
+
+    disagg = other_mode(
+        load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
+    )
+    cal = tmp_path / "calibration"
+    for name, exp in (
+        ("20rps", disagg),
+        (
+            "disagg-20rps",
+            disagg.updated(
+                "cluster.shared_gpu=true", "cluster.decode_share=0.3", "cluster.prefill_share=0.85"
+            ),
+        ),
+    ):
+        sim = Sim(exp)
+        sim.run()
+        (cal / name).mkdir(parents=True)
+        steps_table(sim.rec).to_parquet(cal / name / "steps.parquet")
+        (cal / name / "summary.json").write_text("{}")
+    (cal / "share.json").write_text(json.dumps({"decode_share": 0.5}))  # an earlier fit's
+    fitted = calibration_shares(cal)
+    assert list(fitted) == ["decode_share", "prefill_share"]
+    assert list(fitted.values()) == pytest.approx([0.3, 0.85], rel=0.01)
+    assert json.loads((cal / "share.json").read_text()) == fitted
+    (cal / "disagg-20rps" / "summary.json").unlink()  # a run cut short: share.json as it is
+    assert calibration_shares(cal) == fitted
+    assert calibration_shares(tmp_path / "none") == {}
+
+
 def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     steps = pd.DataFrame(
         {
