@@ -575,7 +575,9 @@ def validate(
             continue
         say(what)
         shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
-        run_hw(run.exp, where)
+        ran, _ = run_hw(run.exp, where)
+        took = f"{ran['wall_s']:.1f} s, {ran['startup_s']:.1f} s of it to start the servers"
+        say(f"hw run {i}/{len(runs)}: {run.label} took {took}")
     (out / "runs.json").write_text(json.dumps([run.label for run in runs]) + "\n")
     return replay_all(out, tolerances, opts.sim_overrides, say)
 

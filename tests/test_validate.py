@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -402,6 +403,12 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         "replay 4/4: colocated-60rps (roofline)",
     ):
         assert stage in res.output
+    took = re.search(
+        r"hw run 1/4: disagg-20rps took ([\d.]+) s, ([\d.]+) s of it to start", res.output
+    )
+    ran = json.loads((out / "hw" / "disagg-20rps" / "summary.json").read_text())
+    assert took is not None and took[1] == f"{ran['wall_s']:.1f}"
+    assert took[2] == f"{ran['startup_s']:.1f}" and 0 < ran["startup_s"] < ran["wall_s"]
     assert "shared GPU" not in res.output  # the CPU's servers share no GPU: no share measured
     assert "12 of 12 cells met" in res.output
     table = pd.read_csv(out / "fidelity.csv")
