@@ -5,8 +5,9 @@ Stages, each announced through `say`:
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
-   profile replays add; where the disaggregated servers share one GPU, how they share it (the
-   decode and prefill shares: `measure_share`, a run of its own), which every replay gets;
+   profile replays add; where the disaggregated servers share one GPU, a run of its own that
+   shows how they share it (`measure_share`), whose decode and prefill shares every replay
+   fits and gets (`calibration_shares`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
@@ -465,13 +466,17 @@ def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
 SHARES = ("decode_share", "prefill_share")  # share.json's keys: the cluster's fields
 
 
-def measure_share(
-    exps: Sequence[Experiment], out: Path, rates: Sequence[float]
-) -> dict[str, float] | None:
-    """How this host's GPU is shared (disagg.share) where the experiments' disaggregated
+def share_run(out: Path, rates: Sequence[float]) -> Path:
+    """Where `measure_share` under `out` puts its disaggregated run: at the highest of `rates`."""
+    return out / f"disagg-{max(rates):g}rps"
+
+
+def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> Path | None:
+    """The run that says how this host's GPU is shared, where the experiments' disaggregated
     servers all run on one GPU (`cluster.shared_gpu` in their runs): a disaggregated run of its
-    own seed at the highest of `rates` (`out/disagg-RATErps`), fitted by `fit_shares`. Written
-    to `out/share.json`; None where the servers have GPUs of their own, or no GPU."""
+    own seed at the highest of `rates` (`share_run`), whose shares the replays fit
+    (`calibration_shares`). Its directory; None where the servers have GPUs of their own, or
+    no GPU."""
     import torch
 
     from disagg.hw.driver import hw_experiment, run_hw
@@ -480,13 +485,10 @@ def measure_share(
     disagg = disagg or other_mode(exps[0])
     if not hw_experiment(disagg, torch.cuda.device_count()).cluster.shared_gpu:
         return None
-    rate = max(rates)
-    where = out / f"disagg-{rate:g}rps"
-    seed = disagg.seed + CALIBRATION_SEED + len(rates)
-    run_hw(disagg.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
-    fitted = fit_shares(where, loop_runs(out, rates))
-    (out / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
-    return fitted
+    where, seed = share_run(out, rates), disagg.seed + CALIBRATION_SEED + len(rates)
+    shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
+    run_hw(disagg.updated(f"seed={seed}", f"workload.rate_per_s={max(rates)}"), where)
+    return where
 
 
 def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
@@ -535,8 +537,8 @@ def validate(
 ) -> Report:
     """Run the stages of the module doc; write the report under `out`; return it. With
     `opts.resume`, `out` holds a validate run of the same options cut short (a device's time
-    limit, say): what it finished is kept (the profile, the loop calibration, the share, each
-    hw run whose summary was written) and the rest is done."""
+    limit, say): what it finished is kept (the profile, the loop calibration, the shared-GPU
+    run, each hw run whose summary was written) and the rest is done."""
     from disagg.hw.driver import run_hw
 
     exps = prepare(paths, opts)
@@ -558,14 +560,11 @@ def validate(
     else:
         costs, kept = measure_loop(exps, cal, ends, csv, opts.sim_overrides), ""
     say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}{kept}")
-    fitted: dict[str, float] | None
-    if opts.resume and (cal / "share.json").exists():
-        fitted, kept = read_shares(cal / "share.json"), ", kept"
-    else:
-        fitted, kept = measure_share(exps, cal, ends), ""
-    if fitted is not None:
-        at = f"a disaggregated run of its own at {max(ends):g} req/s"
-        say(f"shared GPU ({at}): {said_shares(fitted)}{kept}")
+    gpu_run = f"shared GPU: a disaggregated run of its own at {max(ends):g} req/s"
+    if opts.resume and (share_run(cal, ends) / "summary.json").exists():
+        say(f"{gpu_run}, kept")
+    elif measure_share(exps, cal, ends) is not None:
+        say(f"{gpu_run}, for the replays to fit the shares on")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate, where = run.exp.workload.rate_per_s, out / "hw" / run.label
@@ -642,7 +641,8 @@ def replay_all(
     if fitted:  # where the servers shared one GPU; the caller's overrides come after
         say(f"shared GPU: {said_shares(fitted)}")
         sim_overrides = [*(f"cluster.{k}={v!r}" for k, v in fitted.items()), *sim_overrides]
-    sources = (("sim_profile", profiled(csv, costs)), ("sim_roofline", ["cost.source=roofline"]))
+    on_profile = profiled(csv, costs)
+    sources = (("sim_profile", on_profile), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}
     for i, label in enumerate(labels, 1):
@@ -660,7 +660,7 @@ def replay_all(
     again: dict[str, dict[str, dict[str, Any]]] = {}
     for label, where in calibration_twins(out, labels):
         say(f"replay: {where.name}, the calibration run at {label}'s mode and load (profile)")
-        summary, _ = replay(where, [*sim_overrides, *sources[0][1]], out / "sim-repeat" / label)
+        summary, _ = replay(where, [*sim_overrides, *on_profile], out / "sim-repeat" / label)
         again[label] = {"hw": json.loads((where / "summary.json").read_text())}
         again[label]["sim_profile"] = summary
     repeats = repeat_table(table, fidelity_table(again)) if again else None

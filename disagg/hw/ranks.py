@@ -404,9 +404,11 @@ def _broadcast_bytes(tp: TensorParallel, data: bytes | None) -> bytes:
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0, group=tp.group)
-    if data is None:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    else:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    if data is not None:  # the leader: its own bytes back, no copy from the device
+        dist.broadcast(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=0, group=tp.group
+        )
+        return data
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=0, group=tp.group)
     return buf.cpu().numpy().tobytes()
