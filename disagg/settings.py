@@ -38,7 +38,8 @@ class LatencyConfig(_Frozen):
     # while the servers live (None: not asked)
     cpu_latency_us: int | None = Field(default=None, ge=0)
     # each server process (and each follower rank) pinned to this many cores of its own, taken
-    # from the cores nearest its GPU (its NUMA node's) first (0: where the OS places it)
+    # from the cores nearest its GPU (its NUMA node's) first (0: where the OS places it), once
+    # built: the weights are drawn on every core
     cores_per_server: int = Field(default=0, ge=0)
 
 

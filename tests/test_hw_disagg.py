@@ -266,6 +266,8 @@ def test_disaggregated_equals_colocated(
     written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
     assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
     assert written["node_settings"]["prefill0"]["warm_up_s"] is None  # on the CPU: no warm-up
+    for r in state.records.values():  # weights drawn and pages allocated; no graphs on a CPU
+        assert r.settings["build_s"] > 0 and r.settings["capture_s"] == 0
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
     assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump()
     assert ran["kv"]["pages"] == 128

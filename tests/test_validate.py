@@ -24,7 +24,14 @@ from disagg.fidelity import (
     repeat_markdown,
     repeat_table,
 )
-from disagg.validate import PASS_COLUMNS, chunk_offsets, loop_costs, pass_gaps, pass_table
+from disagg.validate import (
+    PASS_COLUMNS,
+    chunk_offsets,
+    loop_costs,
+    pass_gaps,
+    pass_table,
+    start_parts,
+)
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -183,6 +190,16 @@ def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path:
     (cal / "disagg-20rps" / "summary.json").unlink()  # a run cut short: share.json as it is
     assert calibration_shares(cal) == fitted
     assert calibration_shares(tmp_path / "none") == {}
+
+
+def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
+    nodes = {
+        "prefill0": {"build_s": 9.14, "capture_s": 0.0, "warm_up_s": 0.31},
+        "decode0": {"build_s": 8.0, "capture_s": 1.25, "warm_up_s": None},
+    }
+    said = start_parts({"node_settings": nodes})
+    assert said == " (build 9.1 s, graphs 1.2 s, warm-up 0.3 s)"
+    assert start_parts({"node_settings": {"colocated0": {"cores": "0,1"}}}) == ""  # older runs
 
 
 def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:

@@ -99,12 +99,14 @@ class Server:
         self.wake_fd: int | None = None  # wakes an idle loop when immediates arrive
         # a node of several ranks: this process is its leader, rank 0 (disagg.hw.ranks)
         self.tp = join_node(cfg, 0, self.hw.start_timeout_s) if cfg.ranks > 1 else None
+        began = time.perf_counter()
         self.model = rank_model(cfg, self.exp, self.tp)
         kv = self.exp.kv
         # every rank's KV pages, by rank: the leader's wire moves them all (those it maps from
         # a follower's GPU registered with the follower's export of them)
         self.rank_caches, self.exported = node_caches(cfg, self.exp, self.model, self.tp)
         self.cache = self.rank_caches[0]
+        self.build_s = time.perf_counter() - began  # the weights drawn, the pages allocated
         self.pool = PagePool(kv.pages or HW_PAGES, kv.page_size, cfg.name)
         # a prefill server's passes run eagerly (one of only 1-token chunks would otherwise
         # replay, and first capture, a decode graph), and so do a leader's (its followers run
@@ -161,6 +163,7 @@ class Server:
                 self.stats.submits,
                 latency.held()
                 | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error}
+                | {"build_s": self.build_s, "capture_s": self.runner.capture_s}
                 | {"warm_up_s": self.warm_up_s},
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,

@@ -334,8 +334,6 @@ def follow(cfg: NodeConfig, rank: int) -> None:
     device = rank_device(cfg, exp, rank)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    slot = latency.process_slot(exp.cluster, cfg.role, cfg.index, rank)
-    latency.apply(exp.hw.latency, slot, device)
     try:
         if device != "cpu":  # its GPU is current: its streams, NCCL's, the broadcasts' tensors
             torch.cuda.set_device(resolve_device(device))
@@ -345,6 +343,9 @@ def follow(cfg: NodeConfig, rank: int) -> None:
         # the leader maps it
         cache = follower_cache(cfg, exp, model, tp)
         runner = Runner(model, cache, attention=exp.hw.attention, graph_batches=())
+        # pinned once built, as a leader is (disagg.hw.serve)
+        slot = latency.process_slot(exp.cluster, cfg.role, cfg.index, rank)
+        latency.apply(exp.hw.latency, slot, device)
         while (batch := receive(tp)) is not None:
             runner.step(batch)
     except DisaggError as e:

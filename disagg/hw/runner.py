@@ -211,6 +211,7 @@ class Runner:
         self._ahead: tuple[_DecodeGraph, tuple[Seq, ...]] | None = None  # see plan_ahead
         self.planned_ahead = 0  # steps that found their plan made ahead
         self.captured_on_demand = 0  # graphs captured when first needed, not by `capture`
+        self.capture_s = 0.0  # wall time spent capturing graphs
 
     def capture(self, batches: Sequence[int] | None = None) -> None:
         """Capture decode graphs now (largest first, so smaller ones reuse its memory)."""
@@ -235,12 +236,14 @@ class Runner:
         ahead, which `captured_on_demand` counts)."""
         if batch not in self._graphs and not self.graph_error:
             self.captured_on_demand += on_demand
+            began = time.perf_counter()
             try:
                 with on_device(self.device):  # capture on this device's streams
                     self._graphs[batch] = _DecodeGraph(self, batch)
             except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
                 self.graph_error = f"CUDA graph capture failed, decode runs eagerly: {e}"
                 warnings.warn(self.graph_error, stacklevel=3)
+            self.capture_s += time.perf_counter() - began
         return self._graphs.get(batch)
 
     def _graph_for(self, meta: BatchMeta) -> _DecodeGraph | None:

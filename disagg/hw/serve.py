@@ -45,14 +45,15 @@ def serve(cfg: NodeConfig) -> None:
     control.connect("driver", cfg.driver)
     if hasattr(signal, "SIGUSR1"):  # a driver that finds this server stuck asks where it is
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    slot = latency.process_slot(exp.cluster, cfg.role, cfg.index)
-    latency.apply(hw.latency, slot, rank_device(cfg, exp, 0))
     try:
         server = SERVERS[cfg.role](cfg, control)
     except DisaggError as e:
         control.send("driver", Records(cfg.name, (), (), f"{cfg.name}: {e}"))
         control.close(linger_s=5.0)
         return
+    # pinned once built: the weights are drawn on every core, the serving loop runs on its own
+    slot = latency.process_slot(exp.cluster, cfg.role, cfg.index)
+    latency.apply(hw.latency, slot, rank_device(cfg, exp, 0))
     server.run()
 
 
