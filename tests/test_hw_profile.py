@@ -77,3 +77,26 @@ def test_profile_on_a_gpu_gives_each_shape_its_host_time() -> None:
     assert list(df.kind) == ["prefill", "prefill", "decode", "decode", "mixed"]
     assert (df.duration_s > 0).all()
     assert (df.host_s >= 0).all() and df.host_s.notna().all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_profile_gives_its_gpu_memory_back() -> None:
+    """What the profile allocated (its model, its cache of the largest shape's pages) is not
+    left reserved in this process: validate starts its servers beside it."""
+    from disagg.hw.specs import small_gqa
+
+    before = torch.cuda.memory_reserved()
+    profile(
+        small_gqa(layers=2),
+        layers=2,
+        device="cuda",
+        prefill_tokens=(64,),
+        prefill_context=(0,),
+        decode_batch=(64,),
+        decode_context=(4096,),  # 64 x 257 pages: far more than any allocator slack
+        attention="torch",
+        fused_ops=False,
+        warmup=1,
+        repeats=1,
+    )
+    assert torch.cuda.memory_reserved() <= before + 2**21

@@ -29,7 +29,7 @@ import torch
 
 from disagg.core.kvcache import Layout, pages_for
 from disagg.hw.batch import Seq
-from disagg.hw.device import resolve_device
+from disagg.hw.device import release, resolve_device
 from disagg.hw.model import Transformer
 from disagg.hw.runner import Runner
 from disagg.models import ModelSpec
@@ -124,6 +124,8 @@ def profile(
         chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
         device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
         rows.append(("mixed", n, b, c, device_s, host_s))
+    del runner, cache, model
+    release(dev)  # what the caller runs next (validate: its servers) gets the memory
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
