@@ -226,3 +226,30 @@ def test_control_hop_dry_run_times_every_case_forward_in_time(tmp_path: Path) ->
     cases = {(r["transport"], r["pinned"], r["receiver"]) for r in rows}
     assert len(rows) == len(cases) == 8
     assert all(0 < r["median (ms)"] <= r["p90 (ms)"] < 1000 for r in rows)
+
+
+def test_hw_repeat_runs_a_run_again_as_it_ran_and_sets_each_metric_over_the_first(
+    tmp_path: Path,
+) -> None:
+    """On the CPU: the second run is the first's experiment (seed, workload, settings), and
+    each ratio is the second run's summary value over the first's."""
+    from disagg.hw.driver import run_hw
+
+    exp = load_experiment(ROOT / "experiments" / "tiny-disagg.toml", ["workload.num_requests=4"])
+    run_hw(exp, tmp_path / "first")
+    done = _script("hw_repeat.py", str(tmp_path / "first"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "out" / "hw_repeat.csv")
+    (tmp_path / "out" / "first").rename(tmp_path / "again")
+    first = json.loads((tmp_path / "first" / "summary.json").read_text())
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert list(table.metric) == ["ttft_s_p50", "ttft_s_p90", "tpot_s_p50", "tpot_s_p90",
+                                  "itl_s_p99", "output_throughput"]  # fmt: skip
+    for row in table.itertuples():
+        assert row.first == pytest.approx(first[row.metric])
+        assert row.again == pytest.approx(again[row.metric])
+        assert row.ratio == pytest.approx(again[row.metric] / first[row.metric])
+    ran = [json.loads((tmp_path / d / "experiment.json").read_text()) for d in ("first", "again")]
+    assert ran[0]["seed"] == ran[1]["seed"] and ran[0]["workload"] == ran[1]["workload"]
+    assert again["completed"] == first["completed"] == 4
+    assert "| first |" in (tmp_path / "out" / "hw_repeat.md").read_text()
