@@ -240,16 +240,16 @@ def test_hw_repeat_runs_a_run_again_as_it_ran_and_sets_each_metric_over_the_firs
     done = _script("hw_repeat.py", str(tmp_path / "first"), "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-3000:]
     table = pd.read_csv(tmp_path / "out" / "hw_repeat.csv")
-    (tmp_path / "out" / "first").rename(tmp_path / "again")
     first = json.loads((tmp_path / "first" / "summary.json").read_text())
-    again = json.loads((tmp_path / "again" / "summary.json").read_text())
+    out = tmp_path / "out" / "first"  # the second run, under OUT/RUN
+    again = json.loads((out / "summary.json").read_text())
     assert list(table.metric) == ["ttft_s_p50", "ttft_s_p90", "tpot_s_p50", "tpot_s_p90",
                                   "itl_s_p99", "output_throughput"]  # fmt: skip
     for row in table.itertuples():
         assert row.first == pytest.approx(first[row.metric])
         assert row.again == pytest.approx(again[row.metric])
         assert row.ratio == pytest.approx(again[row.metric] / first[row.metric])
-    ran = [json.loads((tmp_path / d / "experiment.json").read_text()) for d in ("first", "again")]
+    ran = [json.loads((d / "experiment.json").read_text()) for d in (tmp_path / "first", out)]
     assert ran[0]["seed"] == ran[1]["seed"] and ran[0]["workload"] == ran[1]["workload"]
     assert again["completed"] == first["completed"] == 4
     assert "| first |" in (tmp_path / "out" / "hw_repeat.md").read_text()

@@ -58,9 +58,8 @@ def check_fits(device: torch.device, nbytes: int, what: str) -> None:
 
 def release(device: torch.device) -> None:
     """Hand the memory of the tensors gone back to `device`: PyTorch's CUDA allocator keeps
-    what it freed reserved for this process, out of other processes' reach (a validate's
-    profile of Llama-3.1-8B kept about 82 GiB of model and cache pages, and its
-    decode server did not fit)."""
+    what it freed reserved for this process, out of reach of the servers that a validate
+    starts beside it."""
     gc.collect()  # tensors only a reference cycle still holds (a runner's graphs)
     if device.type == "cuda":
         torch.cuda.empty_cache()
