@@ -18,8 +18,8 @@
 # twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
 # (MOE_BENCH=0 leaves moe_bench.py out).
 # SPREAD=1 adds benchmarks/host_spread.py (SPREAD_ARGS: its flags; SPREAD_TIMEOUT: seconds,
-# default 300): a colocated server's host time per pass, run to run, pinned to cores of its own
-# or not. VALIDATE_TIMEOUT caps validate's seconds; it never gets more than the call has left.
+# default 300; SPREAD_EXP: its experiment, default experiments/llama8b-h200.toml): a server's
+# host time per pass, run to run, by its cores and the driver's, and after a profile. VALIDATE_TIMEOUT caps validate's seconds; it never gets more than the call has left.
 # VALIDATE=1 adds `disagg validate experiments/llama8b-h200.toml` (VALIDATE_ARGS adds flags;
 # VALIDATE_EXP=experiments/qwen3moe-h200-colocated.toml validates that one instead, with
 # PREBUILD=qwen3-30b-a3b: the MoE model through validate). VALIDATE_OUT=runs/validate-NAME puts
@@ -78,7 +78,7 @@ if [ -n "${MOE:-}" ]; then
   tar -czf "$OUT/moe.tgz" -C "$RUNS" moe
 fi
 [ -z "${SPREAD:-}" ] || timeout "${SPREAD_TIMEOUT:-300}" python3 benchmarks/host_spread.py \
-  experiments/llama8b-h200.toml --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
+  "${SPREAD_EXP:-experiments/llama8b-h200.toml}" --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
   | tail -20 | tee -a "$LOG"
 cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
 if [ -n "${VALIDATE:-}" ]; then

@@ -41,6 +41,9 @@ class LatencyConfig(_Frozen):
     # from the cores nearest its GPU (its NUMA node's) first (0: where the OS places it), once
     # built: the weights are drawn on every core
     cores_per_server: int = Field(default=0, ge=0)
+    # the driver pinned to this many cores of its own, the next after the servers', while it
+    # drives a run on one host (0: where the OS places it, perhaps on a server's cores)
+    driver_cores: int = Field(default=0, ge=0)
 
 
 class CudaWireConfig(_Frozen):

@@ -253,3 +253,33 @@ def test_hw_repeat_runs_a_run_again_as_it_ran_and_sets_each_metric_over_the_firs
     assert ran[0]["seed"] == ran[1]["seed"] and ran[0]["workload"] == ran[1]["workload"]
     assert again["completed"] == first["completed"] == 4
     assert "| first |" in (tmp_path / "out" / "hw_repeat.md").read_text()
+
+
+def test_host_spread_runs_each_setting_each_round_and_profiles_before_the_round_asked(
+    tmp_path: Path,
+) -> None:
+    """On the CPU: a row per run, in order (round, then setting), each on its round's seed, the
+    profile written before the round asked for and the rows after it marked; a CPU pass has no
+    device time, so no host time is fitted."""
+    out = tmp_path / "spread"
+    done = _script(
+        "host_spread.py", str(ROOT / "experiments" / "tiny-disagg.toml"), "--device", "cpu",
+        "--rounds", "2", "--requests", "3", "--rate", "50", "--cores", "0,1",
+        "--profile-before", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pd.read_csv(out / "host_spread.csv")
+    assert list(zip(table["round"], table.cores_per_server, strict=True)) == [
+        (0, 0), (0, 1), (1, 0), (1, 1)
+    ]  # fmt: skip
+    assert list(table.seed) == [10, 10, 11, 11] and list(table.profiled) == [0, 0, 1, 1]
+    assert (out / "profile.csv").exists() and "profile before round 1" in done.stdout
+    assert (
+        list(table.pinned[table.cores_per_server == 0])
+        == ["decode0:not pinned prefill0:not pinned"] * 2
+    )
+    pinned = table.pinned[table.cores_per_server == 1]
+    assert all(p.startswith("decode0:") and "prefill0:" in p and "not" not in p for p in pinned)
+    assert (table.serving_s > 0).all() and (table.driver_cpu_s > 0).all()
+    assert table.host_s.isna().all() and (table.driver == "not pinned").all()
+    assert "Per round" in (out / "host_spread.md").read_text()

@@ -30,6 +30,7 @@ from disagg.hw.batch import Seq
 from disagg.hw.decode import ColocatedServer, DecodeServer
 from disagg.hw.driver import HwRun, run_hw
 from disagg.hw.prefill import PrefillServer
+from disagg.settings import LatencyConfig
 from disagg.sim.cluster import Sim
 
 
@@ -152,8 +153,9 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """hw.latency.cores_per_server: the driver's order of processes (prefill nodes, decode
-    nodes, then ranks within a node) numbers the cores each takes; a host that has too few is
-    told, and the process is left unpinned."""
+    nodes, then ranks within a node) numbers the cores each takes, and the driver's
+    (hw.latency.driver_cores) come after theirs while it drives the run; a host that has too
+    few is told, and the process is left unpinned."""
     disagg = build_experiment(
         {
             "cluster": {
@@ -182,6 +184,16 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
     assert said == f"refused: process {cores} of 1 cores each, {cores} cores"
     assert said in capsys.readouterr().err
     assert latency.held()["cores"] == said
+    allowed = sorted(os.sched_getaffinity(0))
+    two = LatencyConfig(cores_per_server=1, driver_cores=1)  # the core after one server's
+    with latency.driver_cores(two, 1, "cpu") as held:
+        assert held == str(allowed[1]) == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert sorted(os.sched_getaffinity(0)) == allowed  # back on its own cores
+    with latency.driver_cores(two, cores, "cpu") as held:  # after the last core: refused
+        assert held == f"refused: 1 cores after {cores} x 1"
+        assert sorted(os.sched_getaffinity(0)) == allowed
+    with latency.driver_cores(LatencyConfig(), 1, "cpu") as held:
+        assert held == "not pinned"
 
 
 @pytest.mark.parametrize("plan_ahead", [True, False])
@@ -215,7 +227,7 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: boo
             8,
             "decode-first",
             "layerwise",
-            {"spin": True, "cpu_latency_us": 1, "cores_per_server": 1},
+            {"spin": True, "cpu_latency_us": 1, "cores_per_server": 1, "driver_cores": 1},
         ),
         ("HND", 8, "parallel", "whole", {"meta_in_stream": True}),
     ],
@@ -264,6 +276,10 @@ def test_disaggregated_equals_colocated(
         else {"prefill0": "not pinned", "decode0": "not pinned"}
     )
     written = json.loads((tmp_path / "disagg" / "summary.json").read_text())
+    # the driver on the core after the servers' while it drove the run (a 2-core host has none)
+    driver = str(allowed[2]) if len(allowed) > 2 else "refused: 1 cores after 2 x 1"
+    assert written["driver_cores"] == (driver if spin else "not pinned")
+    assert sorted(os.sched_getaffinity(0)) == allowed  # and back on its own cores after
     assert written["node_settings"]["prefill0"] == state.records["prefill0"].settings
     assert written["node_settings"]["prefill0"]["warm_up_s"] is None  # on the CPU: no warm-up
     for r in state.records.values():  # weights drawn and pages allocated; no graphs on a CPU

@@ -54,6 +54,7 @@ from disagg.faults import (
     Stop,
     attribute,
 )
+from disagg.hw import latency
 from disagg.hw.attention import parse_attention
 from disagg.hw.auth import control_secret
 from disagg.hw.control import Control
@@ -579,11 +580,14 @@ def run_hw(
     driver = Driver(exp, external, return_logits)
     exp = driver.exp
     stopped: TransportError | None = None
-    startup_s = math.nan
+    startup_s, driver_cores = math.nan, "not started"
     try:
         driver.start()
         startup_s = time.perf_counter() - start  # the servers' start: most of a short run
-        driver.replay(progress)
+        with latency.driver_cores(exp.hw.latency, len(driver.procs), exp.hw.decode_device) as (
+            driver_cores
+        ):
+            driver.replay(progress)
     except TransportError as e:
         stopped = e
         driver.run_state.stopped_s = time.time() - driver.t0
@@ -598,6 +602,7 @@ def run_hw(
     summary |= {"experiment": exp.name, "backend": "hw", "wire": exp.hw.wire}
     summary["startup_s"] = startup_s
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
+    summary["driver_cores"] = driver_cores
     counters = ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start")
     for key in (*counters, "messages_dropped", "peers_declared_dead", "faults_injected"):
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())

@@ -7,6 +7,7 @@ import contextlib
 import os
 import struct
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,24 +69,56 @@ def near_cores(device: str, sysfs: Path = Path("/sys")) -> list[int]:
         return []
 
 
+def host_cores(start: int, n: int, device: str) -> list[int]:
+    """Cores `start` to `start + n` of those this process may run on, the cores near `device`
+    first; fewer than `n` where the host has too few."""
+    allowed = sorted(os.sched_getaffinity(0))
+    near = [c for c in near_cores(device) if c in allowed]
+    return (near + [c for c in allowed if c not in near])[start : start + n]
+
+
+def set_cores(cores: Iterable[int]) -> str:
+    """Pin every thread of this process (those already started, zmq's, too) to `cores`; the
+    main thread's cores as the OS now has them."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            os.sched_setaffinity(int(task), cores)
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 def pin_cores(n: int, slot: int, device: str) -> str:
     """Pin every thread of this process to `n` cores of its own: the `slot`-th `n` of the
     cores it may run on, those near `device` first. A host with too few cores is told on
     stderr, not an error: the process stays where the OS puts it."""
-    allowed = sorted(os.sched_getaffinity(0))
-    near = [c for c in near_cores(device) if c in allowed]
-    order = near + [c for c in allowed if c not in near]
-    cores = order[slot * n : (slot + 1) * n]
+    cores = host_cores(slot * n, n, device)
     if len(cores) < n:
-        _cpu_latency["cores"] = f"refused: process {slot} of {n} cores each, {len(order)} cores"
+        total = len(os.sched_getaffinity(0))
+        _cpu_latency["cores"] = f"refused: process {slot} of {n} cores each, {total} cores"
         print(f"hw.latency.cores_per_server={n}: {_cpu_latency['cores']}", file=sys.stderr)
         return _cpu_latency["cores"]
-    for task in os.listdir("/proc/self/task"):  # the threads already started (zmq's) too
-        with contextlib.suppress(OSError):  # a thread that has ended since
-            os.sched_setaffinity(int(task), cores)
-    # what took: the main thread's cores as the OS now has them
-    _cpu_latency["cores"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    _cpu_latency["cores"] = set_cores(cores)
     return _cpu_latency["cores"]
+
+
+@contextlib.contextmanager
+def driver_cores(cfg: LatencyConfig, servers: int, device: str) -> Iterator[str]:
+    """While the block runs, this process (the driver of `servers` server processes, already
+    started: they keep the cores they were given) on `cfg.driver_cores` cores of its own, the
+    next after the servers' (`cfg.cores_per_server` each); back on its own cores after. What
+    it holds, in words ("not pinned" for 0; too few cores is told on stderr, not an error)."""
+    n = cfg.driver_cores
+    cores = host_cores(servers * cfg.cores_per_server, n, device)
+    if len(cores) < n:
+        said = f"refused: {n} cores after {servers} x {cfg.cores_per_server}"
+        print(f"hw.latency.driver_cores={n}: {said}", file=sys.stderr)
+    if not n or len(cores) < n:
+        yield said if n else "not pinned"
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        yield set_cores(cores)
+    finally:
+        set_cores(before)
 
 
 def hold_cpu_latency(us: int, path: str = "/dev/cpu_dma_latency") -> str:
