@@ -255,6 +255,17 @@ def test_hw_repeat_runs_a_run_again_as_it_ran_and_sets_each_metric_over_the_firs
     assert "| first |" in (tmp_path / "out" / "hw_repeat.md").read_text()
 
 
+def test_hw_repeat_tells_runs_of_one_name_apart_by_their_parents() -> None:
+    """Two runs of one name (a validate run and its calibration twin) get labels, and so
+    second-run directories, of their own; a name alone where it is unique."""
+    labels = _module("hw_repeat").labels
+    runs = [Path("v/hw/disagg-10rps"), Path("v/calibration/disagg-10rps"), Path("v/hw/c-2rps")]
+    assert labels(runs) == ["hw-disagg-10rps", "calibration-disagg-10rps", "hw-c-2rps"]
+    assert labels(runs[2:]) == ["c-2rps"]
+    with pytest.raises(SystemExit, match="given twice"):
+        labels([runs[0], runs[0]])
+
+
 def test_host_spread_runs_each_setting_each_round_and_profiles_before_the_round_asked(
     tmp_path: Path,
 ) -> None:

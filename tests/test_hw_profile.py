@@ -79,6 +79,9 @@ def test_profile_on_a_gpu_gives_each_shape_its_host_time() -> None:
     assert (df.host_s >= 0).all() and df.host_s.notna().all()
 
 
+CUBLAS_WORKSPACES = 8 * 4 * 2**20
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_profile_gives_its_gpu_memory_back() -> None:
     """What the profile allocated (its model, its cache of the largest shape's pages) is not
@@ -86,6 +89,7 @@ def test_a_profile_gives_its_gpu_memory_back() -> None:
     from disagg.hw.specs import small_gqa
 
     before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
     profile(
         small_gqa(layers=2),
         layers=2,
@@ -99,4 +103,6 @@ def test_a_profile_gives_its_gpu_memory_back() -> None:
         warmup=1,
         repeats=1,
     )
-    assert torch.cuda.memory_reserved() <= before + 2**21
+    peak, left = torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved() - before
+    # what stays: torch's cuBLAS workspaces (8 x 4 MiB by default), taken from its allocator
+    assert left <= CUBLAS_WORKSPACES + 2**21 and peak - before > 10 * left
