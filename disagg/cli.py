@@ -699,6 +699,14 @@ def validate_cmd(
     ] = None,
     wire: Wire = None,
     grid_points: Annotated[int, typer.Option(min=1, help="Profiled values per axis")] = 3,
+    hw_runs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Times each hw run is run on its workload (same seed, fresh servers): "
+            "judged on their median, their spread reported",
+        ),
+    ] = 1,
     set_: Overrides = None,
     sim_set: Annotated[
         list[str] | None,
@@ -749,6 +757,7 @@ def validate_cmd(
         rates=loads,
         requests=requests,
         grid_points=grid_points,
+        hw_runs=hw_runs,
         overrides=tuple(set_ or []),
         sim_overrides=tuple(sim_set or []),
         resume=resume,

@@ -10,7 +10,8 @@ simulator): met when |sim_profile / hw - 1| * 100 <= tolerance. No torch here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,64 @@ def fidelity_table(runs: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> pd.Da
         for key in METRICS.values()
     ]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def median_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Each metric's median over the summaries of runs of one cell (NaN where none has it):
+    the hw value that a cell run more than once is judged on."""
+    return {key: _median(_values(summaries, key)) for key in METRICS.values()}
+
+
+def _values(summaries: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    return [v for s in summaries if not math.isnan(v := _value(s, key))]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+SPREAD_COLUMNS = ["run", "metric", "runs", "low", "high", "spread"]
+
+
+def spread_table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> pd.DataFrame:
+    """How far the hw backend moves from itself: for each cell run more than once (its summaries
+    in `runs`, all of one experiment and seed), each metric's lowest and highest value and the
+    spread between them (high / low - 1)."""
+    rows = []
+    for run, summaries in runs.items():
+        for key in METRICS.values():
+            values = _values(summaries, key)
+            if len(values) > 1:
+                low, high = min(values), max(values)
+                rows.append((run, key, len(values), low, high, ratio(high, low) - 1))
+    return pd.DataFrame(rows, columns=SPREAD_COLUMNS)
+
+
+def spread_markdown(spread: pd.DataFrame) -> str:
+    """fidelity.md's section on the cells run more than once (`spread_table`)."""
+    metrics = list(dict.fromkeys(spread.metric))
+    wide = spread.pivot(index="run", columns="metric", values="spread")
+    runs = int(spread.runs.max())
+    lines = [
+        "## The same run again (hw)",
+        "",
+        f"Each cell was run {runs} times on one workload (one seed) and is judged on the median. "
+        "Each entry is the highest value over the lowest, less 1: how far the real backend "
+        "moves from itself, which no simulator can get under.",
+        "",
+        "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for run in dict.fromkeys(spread.run):
+        cells = [_cell(float(wide.loc[run, m])) for m in metrics]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def widest_spreads(spread: pd.DataFrame) -> str:
+    """The largest spread of `spread` (`spread_table`) by metric, in words."""
+    widest = spread.spread.groupby(spread.metric, sort=False).max()
+    return ", ".join(f"{LABELS.get(str(m), str(m))} {float(g):.3f}" for m, g in widest.items())
 
 
 def _value(summary: Mapping[str, Any], key: str) -> float:
@@ -224,9 +283,11 @@ def write_report(
     tolerances: Mapping[str, float],
     out: Path,
     repeats: pd.DataFrame | None = None,
+    spread: pd.DataFrame | None = None,
 ) -> list[Verdict]:
     """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
-    are any, also as out/repeat.csv; return the verdicts (judge)."""
+    are any, also as out/repeat.csv, and `spread` (`spread_table`) where there is any, also as
+    out/hw_spread.csv; return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
@@ -235,6 +296,10 @@ def write_report(
     if repeats is not None and len(repeats):
         repeats.to_csv(out / "repeat.csv", index=False)
         text += "\n" + repeat_markdown(repeats)
+    (out / "hw_spread.csv").unlink(missing_ok=True)
+    if spread is not None and len(spread):
+        spread.to_csv(out / "hw_spread.csv", index=False)
+        text += "\n" + spread_markdown(spread)
     (out / "fidelity.md").write_text(text)
     return verdicts
 

@@ -9,12 +9,14 @@ Stages, each announced through `say`:
    shows how they share it (`measure_share`), whose decode and prefill shares every replay
    fits and gets (`calibration_shares`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
-   experiment, it and its other mode (colocated <-> disaggregated), else the ones given;
+   experiment, it and its other mode (colocated <-> disaggregated), else the ones given; each
+   run `hw_runs` times on its workload, judged on the median (`hw_dirs`);
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
    (`cost.source=profile:FILE`) and once with the roofline; and, on the profile, each
    calibration run at a validation run's mode and load (`calibration_twins`), for how far a
    cell moves on another workload;
-4. write fidelity.csv / fidelity.md / repeat.csv and the plots (disagg.fidelity) under `out`.
+4. write fidelity.csv / fidelity.md / repeat.csv / hw_spread.csv (cells run more than once)
+   and the plots (disagg.fidelity) under `out`.
 
 On the CPU the hw runs record the CPU as their hardware (a custom GPU of the matmul rate and
 copy bandwidth measured here) and the tcp wire as a nominal loopback NIC, so the roofline
@@ -45,10 +47,13 @@ from disagg.errors import ConfigError
 from disagg.fidelity import (
     Verdict,
     fidelity_table,
+    median_summary,
     plot_cdfs,
     plot_ratios,
     repeat_table,
+    spread_table,
     widest_gaps,
+    widest_spreads,
     write_report,
 )
 from disagg.share import chunk_line, decode_line, shares
@@ -75,13 +80,15 @@ class Options:
     capacity the profile implies); `requests`: workload.num_requests of every run (None: the
     experiment's); `overrides` apply to every experiment (hw runs and so their replays),
     `sim_overrides` to the replays only; `grid_points`: values per profiled axis; `resume`:
-    keep what an earlier run in the same directory finished (`validate`)."""
+    keep what an earlier run in the same directory finished (`validate`); `hw_runs`: times
+    each hw run is run (the same seed, fresh servers), judged on their median (`hw_dirs`)."""
 
     device: str = "cpu"
     wire: str | None = None  # None: tcp on the CPU, cuda on a GPU
     rates: tuple[float, ...] | None = None
     requests: int | None = None
     grid_points: int = 3
+    hw_runs: int = 1
     warmup: int = 1
     repeats: int = 5
     overrides: tuple[str, ...] = ()
@@ -93,6 +100,8 @@ class Options:
         if rates is not None and (not rates or any(not 0 < r < math.inf for r in rates)):
             given = ",".join(f"{r:g}" for r in rates)
             raise ConfigError(f"--rates {given!r}: give request rates > 0")
+        if self.hw_runs < 1:
+            raise ConfigError(f"--hw-runs {self.hw_runs}: run each cell at least once")
         if self.grid_points < 1 or self.repeats < 1 or self.warmup < 0:
             raise ConfigError(
                 f"grid_points={self.grid_points}, repeats={self.repeats}, warmup={self.warmup}: "
@@ -567,18 +576,35 @@ def validate(
         say(f"{gpu_run}, for the replays to fit the shares on")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
-        rate, where = run.exp.workload.rate_per_s, out / "hw" / run.label
-        what = f"hw run {i}/{len(runs)}: {run.label} ({run.exp.cluster.mode}, {rate:g} req/s)"
-        if opts.resume and (where / "summary.json").exists():
-            say(f"{what}, kept")
-            continue
-        say(what)
-        shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
-        ran, _ = run_hw(run.exp, where)
-        took = f"{ran['wall_s']:.1f} s, {ran['startup_s']:.1f} s of it to start the servers"
-        say(f"hw run {i}/{len(runs)}: {run.label} took {took}{start_parts(ran)}")
+        rate = run.exp.workload.rate_per_s
+        for k, where in enumerate(hw_dirs(out, run.label, opts.hw_runs), 1):
+            again = f", again ({k} of {opts.hw_runs})" if k > 1 else ""
+            name = f"hw run {i}/{len(runs)}: {run.label}"
+            what = f"{name} ({run.exp.cluster.mode}, {rate:g} req/s){again}"
+            if opts.resume and (where / "summary.json").exists():
+                say(f"{what}, kept")
+                continue
+            say(what)
+            shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
+            ran, _ = run_hw(run.exp, where)
+            took = f"{ran['wall_s']:.1f} s, {ran['startup_s']:.1f} s of it to start the servers"
+            say(f"{name}{again} took {took}{start_parts(ran)}")
     (out / "runs.json").write_text(json.dumps([run.label for run in runs]) + "\n")
     return replay_all(out, tolerances, opts.sim_overrides, say)
+
+
+def hw_dirs(out: Path, label: str, runs: int | None = None) -> list[Path]:
+    """Where a validate directory `out` holds the hw runs of cell `label`: `out/hw/LABEL`, then
+    `out/hw-K/LABEL` for its K-th run on the same workload (`Options.hw_runs`). With `runs`,
+    the first `runs` of them; without, those that finished (have a summary)."""
+    if runs is not None:
+        return [out / ("hw" if k == 1 else f"hw-{k}") / label for k in range(1, runs + 1)]
+    again = sorted(
+        (int(d.name[3:]), d / label)
+        for d in out.glob("hw-*")
+        if d.name[3:].isdigit() and (d / label / "summary.json").exists()
+    )
+    return [out / "hw" / label, *(where for _, where in again)]
 
 
 def start_parts(summary: dict[str, Any]) -> str:
@@ -657,8 +683,10 @@ def replay_all(
     sources = (("sim_profile", on_profile), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}
+    ran: dict[str, list[dict[str, Any]]] = {}  # each cell's hw runs, all on its workload
     for i, label in enumerate(labels, 1):
-        summaries[label] = {"hw": json.loads((hw / label / "summary.json").read_text())}
+        ran[label] = [json.loads((d / "summary.json").read_text()) for d in hw_dirs(out, label)]
+        summaries[label] = {"hw": median_summary(ran[label])}
         requests[label] = {"hw": pd.read_parquet(hw / label / "requests.parquet")}
         for source, cost in sources:
             say(f"replay {i}/{len(labels)}: {label} ({source.removeprefix('sim_')})")
@@ -678,7 +706,10 @@ def replay_all(
     repeats = repeat_table(table, fidelity_table(again)) if again else None
     if repeats is not None:
         say(f"same mode and load, another seed: sim/hw moves by up to {widest_gaps(repeats)}")
-    report = Report(table, write_report(table, tolerances, out, repeats))
+    spread = spread_table({label: runs for label, runs in ran.items() if len(runs) > 1})
+    if len(spread):
+        say(f"the same run again: hw moves by up to {widest_spreads(spread)}")
+    report = Report(table, write_report(table, tolerances, out, repeats, spread))
     pass_report(
         {
             label: pass_table(
@@ -694,6 +725,7 @@ def replay_all(
         out / "fidelity.md",
         out / "passes.csv",
         out / "passes.md",
+        *([out / "hw_spread.csv"] if len(spread) else []),
     ]
     report.files.append(plot_ratios(table, out / "fidelity_ratios.png"))
     report.files.append(plot_cdfs(requests, out / "fidelity_cdfs.png"))

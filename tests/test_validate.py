@@ -17,12 +17,17 @@ from disagg.errors import ConfigError
 from disagg.fidelity import (
     COLUMNS,
     REPEAT_COLUMNS,
+    SPREAD_COLUMNS,
     fidelity_table,
     judge,
     markdown,
+    median_summary,
     parse_tolerances,
     repeat_markdown,
     repeat_table,
+    spread_markdown,
+    spread_table,
+    widest_spreads,
 )
 from disagg.validate import (
     PASS_COLUMNS,
@@ -153,6 +158,30 @@ def test_a_calibration_runs_ratios_stand_beside_its_validation_runs_with_the_gap
         "| a | 0.52 / 1.04 | 0.75 / 0.75 | 1 / 0.97 | 1.05 / 1.05 | 1 / 1 | 0.99 / 0.99 |" in text
     )
     assert "Largest gap: TTFT p50 0.520, TTFT p90 0.000, TPOT p50 0.030," in text
+
+
+def test_a_cell_run_more_than_once_is_judged_on_its_median_and_its_spread_is_told() -> None:
+    """Three runs of cell "a": TPOT p50 10, 12 and 11 ms give the median 11 ms and a spread of
+    12 / 10 - 1 = 0.2; TTFT p50 missing from one run is the median of the other two; a metric
+    no run has is NaN. Cell "b", run once, has no spread."""
+    a = [HW, HW | {"tpot_s_p50": 0.012, "ttft_s_p50": 0.3}, HW | {"tpot_s_p50": 0.011}]
+    del a[2]["ttft_s_p50"]
+    median = median_summary(a)
+    assert median["tpot_s_p50"] == pytest.approx(0.011)
+    assert median["ttft_s_p50"] == pytest.approx((0.1 + 0.3) / 2)
+    assert median["output_throughput"] == 1000.0
+    assert math.isnan(median_summary([{}])["tpot_s_p50"])
+    spread = spread_table({"a": a, "b": [HW]})
+    assert list(spread.columns) == SPREAD_COLUMNS and set(spread.run) == {"a"}
+    by = spread.set_index("metric")
+    assert by.loc["tpot_s_p50", ["runs", "low", "high"]].tolist() == [3, 0.010, 0.012]
+    assert by.spread["tpot_s_p50"] == pytest.approx(0.2)
+    assert by.loc["ttft_s_p50", ["runs", "spread"]].tolist() == [2, pytest.approx(2.0)]
+    assert by.spread["output_throughput"] == 0
+    text = spread_markdown(spread)
+    assert "run 3 times on one workload" in text
+    assert "| a | 2 | 0 | 0.2 | 0 | 0 | 0 |" in text
+    assert widest_spreads(spread).startswith("TTFT p50 2.000, TTFT p90 0.000, TPOT p50 0.200")
 
 
 def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path: Path) -> None:
@@ -554,6 +583,50 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     assert "missed: colocated-40rps tpot_s_p50: sim/hw" in res.output
     assert "0 of 2 cells met" in res.output
     assert "**no**" in (out / "fidelity.md").read_text()
+
+
+def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
+    tmp_path: Path,
+) -> None:
+    """--hw-runs 2, one load of three requests: each cell's second run is on the first's
+    workload (its seed) under hw-2/, the table's hw value is the two runs' median, and the
+    spread between them is in hw_spread.csv and fidelity.md; --resume redoes only a second run
+    cut short."""
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+
+    out = tmp_path / "twice"
+    args = ["validate", str(TINY), "--requests", "3", "--grid-points", "2", "--set", "hw.wire=tcp"]
+    args += ["--rates", "40", "--hw-runs", "2", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "hw run 2/2: colocated-40rps (colocated, 40 req/s), again (2 of 2)" in res.output
+    assert "the same run again: hw moves by up to TTFT p50" in res.output
+    table = pd.read_csv(out / "fidelity.csv").set_index(["run", "metric"])
+    spread = pd.read_csv(out / "hw_spread.csv")
+    assert list(dict.fromkeys(spread.run)) == ["disagg-40rps", "colocated-40rps"]
+    for label in ("disagg-40rps", "colocated-40rps"):
+        first, second = (out / d / label for d in ("hw", "hw-2"))
+        ran = [json.loads((d / "experiment.json").read_text()) for d in (first, second)]
+        assert ran[0]["seed"] == ran[1]["seed"] and ran[0]["workload"] == ran[1]["workload"]
+        both = [json.loads((d / "summary.json").read_text()) for d in (first, second)]
+        for key in HW:
+            values = sorted(s[key] for s in both)
+            assert table.hw[(label, key)] == pytest.approx(sum(values) / 2)
+            row = spread[(spread.run == label) & (spread.metric == key)].iloc[0]
+            assert [row.runs, row.low, row.high] == [2, *map(pytest.approx, values)]
+            assert row.spread == pytest.approx(values[1] / values[0] - 1)
+    assert "## The same run again (hw)" in (out / "fidelity.md").read_text()
+    (out / "hw-2" / "colocated-40rps" / "summary.json").unlink()
+    res = CliRunner().invoke(app, [*args, "--resume"])
+    assert res.exit_code == 0, res.output
+    assert "hw run 2/2: colocated-40rps (colocated, 40 req/s), kept" in res.output
+    assert "hw run 1/2: disagg-40rps (disagg, 40 req/s), again (2 of 2), kept" in res.output
+    assert "colocated-40rps (colocated, 40 req/s), again (2 of 2)\n" in res.output
+    assert (out / "hw-2" / "colocated-40rps" / "summary.json").exists()
 
 
 def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: Path) -> None:
