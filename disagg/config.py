@@ -160,6 +160,10 @@ class ClusterConfig(_Frozen):
     # disagg validate measures both)
     decode_share: float = Field(default=0.5, gt=0.0, lt=1.0)
     prefill_share: float | None = Field(default=None, gt=0.0, le=1.0)
+    # set: the passes there take turns kernel by kernel instead, each advancing at its time
+    # alone over all theirs plus switch_s per pair of passes (round robin, sim/gpu.py), and
+    # the shares are unused; disagg validate measures it
+    switch_s: float | None = Field(default=None, ge=0.0)
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

@@ -280,11 +280,14 @@ def _overlaps(steps: pd.DataFrame) -> int:
 
 
 def _ends(
-    passes: list[tuple[float, float, bool]], share: float, prefill: float | None = None
+    passes: list[tuple[float, float, bool]],
+    share: float,
+    prefill: float | None = None,
+    switch_s: float | None = None,
 ) -> list[float]:
     """When each (start, seconds alone, decode-only) pass ends on a SharedGPU."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill)
+    gpu = SharedGPU(env, share, prefill, switch_s)
 
     def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
         yield start
@@ -338,6 +341,25 @@ def test_a_gpu_whose_passes_fill_each_others_gaps_does_more_than_one_alone() -> 
     assert _ends([(0.0, 30e-3, False)], 0.25, 0.85) == pytest.approx([30e-3], abs=1e-15)
 
 
+def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:
+    """Hand arithmetic, round robin at switch_s 4 ms (the shares unused): a 6 ms decode and a
+    30 ms prefill from 0 advance at 6/40 and 30/40 and both end at 40 ms, the sum of their
+    times and the switch cost. A decode starting at 10 ms, when the prefill has 20 ms left:
+    the prefill ends at 10 + 20 / (30/40) = 36.67 ms, the decode (4 ms done by then) runs its
+    last 2 alone and ends at 38.67. Three passes pay 1.5 switches: 2 + 2 + 2 ms end at 12."""
+    two = [(0.0, 6e-3, True), (0.0, 30e-3, False)]
+    assert _ends(two, 0.9, switch_s=4e-3) == pytest.approx([40e-3, 40e-3], abs=1e-12)
+    later = [(10e-3, 6e-3, True), (0.0, 30e-3, False)]
+    assert _ends(later, 0.9, switch_s=4e-3) == pytest.approx(
+        [38e-3 + 2e-3 / 3, 36e-3 + 2e-3 / 3], abs=1e-12
+    )
+    three = [(0.0, 2e-3, True), (0.0, 2e-3, True), (0.0, 2e-3, False)]
+    assert _ends(three, 0.9, switch_s=4e-3) == pytest.approx([12e-3] * 3, abs=1e-12)
+    assert _ends([(0.0, 30e-3, False)], 0.9, switch_s=4e-3) == pytest.approx([30e-3], abs=1e-15)
+    # at no switch cost the GPU's work is conserved: both end at 36 ms
+    assert _ends(two, 0.9, switch_s=0.0) == pytest.approx([36e-3, 36e-3], abs=1e-12)
+
+
 def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:
     """cluster.shared_gpu (a hw run on one device): passes of different nodes still overlap,
     but those that do take longer than alone, and a larger decode share trades prefill speed
@@ -357,3 +379,17 @@ def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:
     req = {name: tables(sim)[0] for name, sim in (("own", own), ("low", low), ("high", high))}
     assert req["low"].tpot_s.median() > req["high"].tpot_s.median() > req["own"].tpot_s.median()
     assert req["high"].ttft_s.median() > req["low"].ttft_s.median()
+
+
+def test_nodes_taking_turns_on_a_shared_gpu_lose_more_as_the_switch_costs_more() -> None:
+    """The round robin (cluster.switch_s): every request still finishes, and a dearer switch
+    slows both the decodes (TPOT) and the prefills (TTFT) beside them."""
+    base = ("qwen3moe-h200-1p3d.toml", "cluster.shared_gpu=true")
+    cheap, dear = (simulate(*base, f"cluster.switch_s={s}") for s in (0.0, 0.01))
+    for sim in (cheap, dear):
+        assert sim.gpu is not None and sim.gpu.switch_s is not None and sim.gpu.shared > 0
+        assert (tables(sim)[0].status == "finished").all()
+    assert dear.gpu is not None and cheap.gpu is not None and dear.gpu.lost_s > cheap.gpu.lost_s
+    low, high = tables(cheap)[0], tables(dear)[0]
+    assert high.tpot_s.median() > low.tpot_s.median()
+    assert high.ttft_s.median() > low.ttft_s.median()

@@ -199,13 +199,20 @@ class Node(Generic[R]):
                 for event in inbox:
                     self.deliver(event)
 
-    def busy(self, seconds: float, decode_only: bool) -> Proc:
-        """One pass of `seconds`: that long, or on a GPU shared with other nodes, as long as
-        its share there makes it."""
-        if self.sim.gpu is None:
+    def busy(self, seconds: float, prefill: bool, decodes: int) -> Proc:
+        """One pass of `seconds` (`prefill`: with a prompt chunk; `decodes` decode sequences):
+        that long, or on a GPU shared with other nodes, as long as its share there makes it.
+        Under the round robin only its device time takes turns: its host time comes first,
+        beside the other nodes' passes (disagg/sim/gpu.py)."""
+        gpu = self.sim.gpu
+        if gpu is None:
             yield seconds
+        elif gpu.switch_s is None:
+            yield from gpu.run(seconds, not prefill)
         else:
-            yield from self.sim.gpu.run(seconds, decode_only)
+            host = min(seconds, self.cost.host_s(prefill, decodes))
+            yield host
+            yield from gpu.run(seconds - host, not prefill)
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError
@@ -244,7 +251,7 @@ class Node(Generic[R]):
         k0 = float(sum(map(_prompt_tokens, decodes)) + sum(map(int, generated)))
         env = self.env
         if self.sim.gpu is not None:
-            yield from self.sim.gpu.run(a + b * k0, True)
+            yield from self.busy(a + b * k0, False, len(decodes))
             return 1, env._now
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         grow = len(decodes) * tokens_per_step
@@ -344,7 +351,7 @@ class PrefillNode(Node[PrefillRole]):
         self.pass_step = (t0, step_s if gpu is None else gpu.expected_s(step_s, False))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
-        yield from self.busy(step_s, False)
+        yield from self.busy(step_s, True, len(batch.decodes))
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         self.pass_step = None
@@ -401,7 +408,7 @@ class ColocatedNode(Node[ColocatedRole]):
             steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
         else:
             steps = 1
-            yield from self.busy(self.cost.step_time(self.shape(batch)), False)
+            yield from self.busy(self.cost.step_time(self.shape(batch)), True, len(batch.decodes))
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
@@ -458,7 +465,11 @@ class Sim:
         self.transfers = TransferModel(exp, self.network, self.rng)
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
-        self.gpu = SharedGPU(self.env, c.decode_share, c.prefill_share) if c.shared_gpu else None
+        self.gpu = (
+            SharedGPU(self.env, c.decode_share, c.prefill_share, c.switch_s)
+            if c.shared_gpu
+            else None
+        )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
             if c.mode == "colocated"

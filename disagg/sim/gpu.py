@@ -1,14 +1,18 @@
 """One GPU that several simulated nodes share (`cluster.shared_gpu`), as the processes of a hw
-run on a single device do. The GPU time-slices between them (measured on one H200: a decode
-pass that meets another process's prefill pass is slowed, neither run at full speed nor held
-for the rest of it, docs/calibration.md), so passes that overlap share it by weight: a
-decode-only pass weighs `cluster.decode_share` and one with a prompt chunk
-`cluster.prefill_share`, and each advances at its weight's part of the GPU's capacity, the two
-weights' sum, at most at full speed (`pace`). One of each: the decode pass runs at
-decode_share, the other at prefill_share. Unset, prefill_share is 1 - decode_share, so the
-capacity is 1 and the GPU's work is conserved; above that, passes beside each other do more
-than one GPU's work alone would, as a process's passes leave the GPU idle between their
-kernels, which another's fill. A pass alone runs at full speed."""
+run on a single device do. The GPU time-slices between them, so passes that overlap take longer
+than alone. Two rules say how much; a pass alone always runs at full speed.
+
+- **Round robin** (`cluster.switch_s` set): the processes' kernels take turns, one each, with a
+  cost to every turn, so each pass advances at its alone time's part of the alone times of all
+  the passes running plus `switch_s` per pair of them (`round_robin`). A prefill pass beside
+  back-to-back decode passes then takes its time plus theirs plus `switch_s`, whatever its size,
+  and a decode pass inside a prefill pass ends with it, as measured on one H200
+  (docs/calibration.md).
+- **Weights** (the default): a decode-only pass weighs `cluster.decode_share` and one with a
+  prompt chunk `cluster.prefill_share`, and each advances at its weight's part of the GPU's
+  capacity, the two weights' sum, at most at full speed (`pace`). Unset, prefill_share is
+  1 - decode_share, so the capacity is 1 and the GPU's work is conserved; above that, passes
+  beside each other do more than one GPU's work alone would."""
 
 from __future__ import annotations
 
@@ -24,35 +28,58 @@ def pace(weight: float, total: float, capacity: float) -> float:
     return 1.0 if total == weight else min(1.0, capacity * weight / total)
 
 
+def round_robin(alone_s: float, total_s: float, passes: int, switch_s: float) -> float:
+    """The pace of a pass of `alone_s` among `passes` running passes of `total_s` alone
+    seconds (its own included) whose kernels take turns at `switch_s` a pair: its part of all
+    their time plus the turns' cost; alone, 1."""
+    return 1.0 if passes == 1 else alone_s / (total_s + switch_s * passes / 2)
+
+
 class SharedGPU:
     """The passes running on one GPU: `run` (a light process's `yield from`) takes as long as
     `seconds` of the GPU to itself take at the paces the passes beside it leave."""
 
-    def __init__(self, env: Clock, decode_share: float, prefill_share: float | None = None) -> None:
+    def __init__(
+        self,
+        env: Clock,
+        decode_share: float,
+        prefill_share: float | None = None,
+        switch_s: float | None = None,
+    ) -> None:
         self.env = env
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
         self.weights = (decode_share, prefill)  # decode-only, with a prompt chunk
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
+        self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
         self.shared = 0  # passes that ran beside another
         self.lost_s = 0.0  # what sharing added to them, all together
 
-    def weight(self, decode_only: bool) -> float:
+    def weight(self, seconds: float, decode_only: bool) -> float:
+        if self.switch_s is not None:
+            return seconds
         return self.weights[0] if decode_only else self.weights[1]
+
+    def pace(self, weight: float, total: float, passes: int) -> float:
+        """The pace of a pass of `weight` among `passes` running passes of `total` weight."""
+        if self.switch_s is not None:
+            return round_robin(weight, total, passes, self.switch_s)
+        return pace(weight, total, self.capacity)
 
     def expected_s(self, seconds: float, decode_only: bool) -> float:
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
-        w = self.weight(decode_only)
-        return seconds / pace(w, w + sum(p[1] for p in self.running.values()), self.capacity)
+        w = self.weight(seconds, decode_only)
+        total = w + sum(p[1] for p in self.running.values())
+        return seconds / self.pace(w, total, len(self.running) + 1)
 
     def run(self, seconds: float, decode_only: bool) -> Generator[Any, Any, None]:
         env = self.env
         self._advance()
         done, t0 = env.event(), env._now
-        self.running[done] = [seconds, self.weight(decode_only)]
+        self.running[done] = [seconds, self.weight(seconds, decode_only)]
         self._schedule()
         yield done
         if env._now - t0 > seconds * (1 + 1e-9):
@@ -62,9 +89,9 @@ class SharedGPU:
     def _advance(self) -> None:
         now = self.env._now
         if self.running:
-            total = sum(p[1] for p in self.running.values())
+            total, n = sum(p[1] for p in self.running.values()), len(self.running)
             for p in self.running.values():
-                p[0] -= (now - self.at) * pace(p[1], total, self.capacity)
+                p[0] -= (now - self.at) * self.pace(p[1], total, n)
         self.at = now
 
     def _schedule(self) -> None:
@@ -72,8 +99,8 @@ class SharedGPU:
         self.turn += 1
         if not self.running:
             return
-        total = sum(p[1] for p in self.running.values())
-        ends = {s: p[0] / pace(p[1], total, self.capacity) for s, p in self.running.items()}
+        total, n = sum(p[1] for p in self.running.values()), len(self.running)
+        ends = {s: p[0] / self.pace(p[1], total, n) for s, p in self.running.items()}
         first = min(ends, key=ends.__getitem__)
         turn = self.turn
         self.env.call(max(0.0, ends[first]), lambda: self._end(turn, first))
