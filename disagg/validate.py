@@ -6,8 +6,9 @@ Stages, each announced through `say`:
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
    profile replays add; where the disaggregated servers share one GPU, a run of its own that
-   shows how they share it (`measure_share`), whose decode and prefill shares every replay
-   fits and gets (`calibration_shares`);
+   shows how they share it (`measure_share`): every replay fits both rules of the simulator's
+   shared GPU on it (the decode and prefill shares, and the round robin's switch cost) and
+   gets the one whose replay of that run comes closer to it (`calibration_shares`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; each
    run `hw_runs` times on its workload, judged on the median (`hw_dirs`);
@@ -45,18 +46,20 @@ import pandas as pd
 from disagg.config import Experiment, load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import (
+    METRICS,
     Verdict,
     fidelity_table,
     median_summary,
     plot_cdfs,
     plot_ratios,
+    ratio,
     repeat_table,
     spread_table,
     widest_gaps,
     widest_spreads,
     write_report,
 )
-from disagg.share import chunk_line, decode_line, shares
+from disagg.share import chunk_line, decode_line, shares, switch_s
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -472,7 +475,7 @@ def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
     return [out / f"{rate:g}rps" for rate in rates]
 
 
-SHARES = ("decode_share", "prefill_share")  # share.json's keys: the cluster's fields
+SHARES = ("decode_share", "prefill_share", "switch_s")  # share.json's keys: cluster fields
 
 
 def share_run(out: Path, rates: Sequence[float]) -> Path:
@@ -501,24 +504,63 @@ def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float])
 
 
 def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
-    """The decode and prefill shares (`SHARES`) of the run in `shared`, its servers on one GPU,
-    against the passes of the runs in `alone`, one process on the GPU (`measure_loop`'s
-    colocated runs): their decode passes by batch size, their chunk passes by chunk tokens."""
+    """The decode and prefill shares and the round robin's switch cost (`SHARES`) of the run in
+    `shared`, its servers on one GPU, against the passes of the runs in `alone`, one process on
+    the GPU (`measure_loop`'s colocated runs): their decode passes by batch size, their chunk
+    passes by chunk tokens (the switch cost: by their device times)."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
-    fitted = shares(
-        pd.read_parquet(shared / "steps.parquet"), decode_line(steps), chunk_line(steps)
-    )
-    return dict(zip(SHARES, fitted, strict=True))
+    run = pd.read_parquet(shared / "steps.parquet")
+    fitted = shares(run, decode_line(steps), chunk_line(steps))
+    switch = switch_s(run, decode_line(steps, device=True), chunk_line(steps, device=True))
+    return dict(zip(SHARES, (*fitted, switch), strict=True))
 
 
-def calibration_shares(cal: Path) -> dict[str, float]:
+def share_overrides(fitted: Mapping[str, float]) -> list[str]:
+    """The replays' overrides of `fitted` shares: with a switch cost, the round robin; else
+    the weights, whatever the run had."""
+    rule = [] if "switch_s" in fitted else ["cluster.switch_s=null"]
+    return [*(f"cluster.{k}={v!r}" for k, v in fitted.items()), *rule]
+
+
+def closer_rule(
+    shared: Path, fitted: dict[str, float], on_profile: Sequence[str], out: Path
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`fitted` under the rule whose replay of `shared` on the profile (`on_profile`) comes
+    closer to it, by the mean over METRICS of |log sim/hw| (without the switch cost where the
+    weights win), and that mean by rule. Each replay is written under `out`."""
+    hw = json.loads((shared / "summary.json").read_text())
+    rules = {
+        "weights": {k: v for k, v in fitted.items() if k != "switch_s"},
+        "round robin": fitted,
+    }
+    errors: dict[str, float] = {}
+    for rule, shares_ in rules.items():
+        overrides = [*share_overrides(shares_), *on_profile]
+        sim, _ = replay(shared, overrides, out / rule.replace(" ", "-"))
+        got = (ratio(sim.get(k, math.nan), hw.get(k, math.nan)) for k in METRICS.values())
+        logs = [abs(math.log(r)) for r in got if r > 0]  # NaN: a run too short for it
+        errors[rule] = sum(logs) / len(logs) if logs else math.inf
+    return rules[min(errors, key=errors.__getitem__)], errors
+
+
+def calibration_shares(
+    cal: Path, on_profile: Sequence[str] | None = None, say: Callable[[str], None] = print
+) -> dict[str, float]:
     """The shares of a validate directory's calibration `cal`: fitted anew (`fit_shares`) on
     its disaggregated run where it has one, so that a replay after a change to the fit gets the
-    change, and written to its share.json; else what share.json holds, if there is one."""
+    change, and written to its share.json; else what share.json holds, if there is one. Given
+    the replays' profile overrides (`on_profile`), they come under the rule that replays that
+    run closer (`closer_rule`); without, the weights' shares alone."""
     shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
     alone = [d for d in sorted(cal.glob("*rps")) if not d.name.startswith("disagg-")]
     if shared and alone:
         fitted = fit_shares(shared[-1], alone)
+        if on_profile is None:
+            fitted.pop("switch_s")
+        else:
+            fitted, errors = closer_rule(shared[-1], fitted, on_profile, cal / "rules")
+            said = ", ".join(f"{rule} {e:.3f}" for rule, e in errors.items())
+            say(f"shared GPU: mean |log sim/hw| on {shared[-1].name}: {said}")
         (cal / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
         return fitted
     return read_shares(cal / "share.json") if (cal / "share.json").exists() else {}
@@ -532,6 +574,8 @@ def read_shares(path: Path) -> dict[str, float]:
 
 def said_shares(fitted: Mapping[str, float]) -> str:
     """`fitted` shares in words, for the progress line (no prefill share: 1 - the decode's)."""
+    if "switch_s" in fitted:
+        return f"round robin, switch cost {fitted['switch_s'] * 1e3:.3g} ms"
     a = fitted["decode_share"]
     b = fitted.get("prefill_share", 1 - a)
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f})"
@@ -675,11 +719,11 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
-    fitted = calibration_shares(out / "calibration")
+    on_profile = profiled(csv, costs)
+    fitted = calibration_shares(out / "calibration", on_profile, say)
     if fitted:  # where the servers shared one GPU; the caller's overrides come after
         say(f"shared GPU: {said_shares(fitted)}")
-        sim_overrides = [*(f"cluster.{k}={v!r}" for k, v in fitted.items()), *sim_overrides]
-    on_profile = profiled(csv, costs)
+        sim_overrides = [*share_overrides(fitted), *sim_overrides]
     sources = (("sim_profile", on_profile), ("sim_roofline", ["cost.source=roofline"]))
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}

@@ -221,6 +221,46 @@ def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path:
     assert calibration_shares(tmp_path / "none") == {}
 
 
+@pytest.mark.parametrize(
+    ("rule", "settings"),
+    [
+        ("round robin", ["cluster.switch_s=0.005"]),
+        ("weights", ["cluster.decode_share=0.3", "cluster.prefill_share=0.85"]),
+    ],
+)
+def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
+    tmp_path: Path, rule: str, settings: list[str]
+) -> None:
+    """A calibration whose shared run was simulated under one rule of the shared GPU has both
+    rules fitted on it and replays it under each: the one it ran under replays it closer, and
+    its shares go to share.json (the round robin's with its switch cost, within 3%)."""
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+    from disagg.validate import calibration_shares
+
+    disagg = other_mode(
+        load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
+    )
+    cal = tmp_path / "calibration"
+    exp = tmp_path / "disagg.json"
+    exp.write_text(disagg.model_dump_json())
+    for name, extra in (("20rps", []), ("disagg-20rps", ["cluster.shared_gpu=true", *settings])):
+        sets = [a for s in extra for a in ("--set", s)]
+        res = CliRunner().invoke(app, ["sim", "run", str(exp), *sets, "--out", str(cal / name)])
+        assert res.exit_code == 0, res.output
+    said: list[str] = []
+    fitted = calibration_shares(cal, [], said.append)
+    assert said[0].startswith("shared GPU: mean |log sim/hw| on disagg-20rps: weights ")
+    errors = dict(re.findall(r"(weights|round robin) ([0-9.]+)", said[0]))
+    assert min(errors, key=lambda r: float(errors[r])) == rule
+    assert ("switch_s" in fitted) == (rule == "round robin")
+    if rule == "round robin":
+        assert fitted["switch_s"] == pytest.approx(0.005, rel=0.03)
+    assert json.loads((cal / "share.json").read_text()) == fitted
+    assert (cal / "rules" / "round-robin" / "summary.json").exists()
+
+
 def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
     nodes = {
         "prefill0": {"build_s": 9.14, "capture_s": 0.0, "warm_up_s": 0.31},
