@@ -1,6 +1,7 @@
-"""How the passes of processes on one GPU share it, measured from a run's steps table: the
-`cluster.decode_share` and `cluster.prefill_share` that the simulator's shared GPU
-(disagg/sim/gpu.py) needs to give the passes the lengths they had.
+"""How the passes of processes on one GPU share it, measured from a run's steps table: what
+the simulator's shared GPU (disagg/sim/gpu.py) needs to give the passes the lengths they had,
+under either of its rules: the weights' `cluster.decode_share` and `cluster.prefill_share`
+(`shares`), or the round robin's `cluster.switch_s` (`switch_s`).
 
 A pass alone takes `alone(size)` seconds: a line over batch size for a decode pass
 (`decode_line`), over chunk tokens for one with a prompt chunk (`chunk_line`), each fitted to
@@ -11,7 +12,9 @@ a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's w
 where every pass of the run began and ended, each pass's work at a share is that pace summed
 over its time. A share is the one at which the passes of its kind that met a pass of the other
 kind (of another node) did as much work as they would alone; that work grows with the share,
-so bisection finds it, the other share held. `shares` fits both, in turns."""
+so bisection finds it, the other share held. `shares` fits both, in turns. The switch cost
+is found the same way over the passes' device times, all kinds together: their work falls as
+it grows."""
 
 from __future__ import annotations
 
