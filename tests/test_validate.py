@@ -22,6 +22,7 @@ from disagg.fidelity import (
     judge,
     markdown,
     median_summary,
+    near_range,
     parse_tolerances,
     repeat_markdown,
     repeat_table,
@@ -133,8 +134,31 @@ def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
     assert "| a | 1.04 / 2 | 0.75 / 2 | 0.97 / 2 | 1.05 / 2 | 1 / 2 | 0.99 / 2 |" in text
     assert "| b | 1.04 / 2 | 0.75 / 2 | - / - | 1.05 / 2 | 1 / 2 | 0.99 / 2 |" in text
     assert "0 of 2 cells met." in text
-    assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** |" in text
+    assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** | - |" in text
     assert "None given" in markdown(table, [])
+
+
+def test_a_miss_near_the_range_of_its_hw_runs_is_told_apart_from_one_beyond_it() -> None:
+    """Cell "a" run three times: TPOT p90 20-20.6 ms (sim 21: 1.05 of the median, a miss at 3%,
+    but under 20.6 x 1.03 = 21.2) is near the runs' range; TTFT p90 180-220 ms (sim 150, below
+    180 x 0.9 = 162 at 10%) is beyond it. Cell "b", run once, has no range."""
+    table = fidelity_table(runs())
+    verdicts = judge(table, {"ttft_s_p90": 10.0, "tpot_s_p90": 3.0})
+    spread = spread_table(
+        {"a": [HW, HW | {"tpot_s_p90": 0.0206, "ttft_s_p90": 0.18}, HW | {"ttft_s_p90": 0.22}]}
+    )
+    near = {(v.run, v.metric): near_range(table, v, spread) for v in verdicts}
+    assert near == {
+        ("a", "ttft_s_p90"): False,
+        ("a", "tpot_s_p90"): True,
+        ("b", "ttft_s_p90"): None,
+        ("b", "tpot_s_p90"): None,
+    }
+    text = markdown(table, verdicts, spread)
+    assert "0 of 4 cells met. 1 of the 2 cells run more than once were within" in text
+    assert "| a | tpot_s_p90 | 1.05 | 5 | 3 | **no** | yes |" in text
+    assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** | no |" in text
+    assert "| b | tpot_s_p90 | 1.05 | 5 | 3 | **no** | - |" in text
 
 
 def test_a_calibration_runs_ratios_stand_beside_its_validation_runs_with_the_gap() -> None:
