@@ -161,7 +161,7 @@ class ClusterConfig(_Frozen):
     decode_share: float = Field(default=0.5, gt=0.0, lt=1.0)
     prefill_share: float | None = Field(default=None, gt=0.0, le=1.0)
     # set: the passes there take turns kernel by kernel instead, each advancing at its time
-    # alone over all theirs plus switch_s per pair of passes (round robin, sim/gpu.py), and
+    # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and
     # the shares are unused; disagg validate measures it
     switch_s: float | None = Field(default=None, ge=0.0)
 

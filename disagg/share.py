@@ -159,7 +159,7 @@ SWITCH_BOUNDS = (0.0, 1.0)  # seconds
 
 def switch_s(steps: pd.DataFrame, decode_alone: Line, chunk_alone: Line) -> float:
     """The round robin's `cluster.switch_s` (disagg/sim/gpu.py) of `steps`, a run of processes
-    on one GPU: the cost per pair of passes at which the passes' device times that met another
+    on one GPU: the cost for every two passes at which the passes' device times that met another
     node's did, all together, the work they do alone (`decode_alone` device seconds per
     decode-only pass by batch size, `chunk_alone` per pass with a chunk by chunk tokens); within
     SWITCH_BOUNDS. A pass's device time is the end of its time (its host time comes first, as
@@ -179,8 +179,8 @@ def switch_s(steps: pd.DataFrame, decode_alone: Line, chunk_alone: Line) -> floa
         cuts = np.unique(np.clip(np.concatenate([start[near], end[near]]), start[i], end[i]))
         mid = (cuts[:-1] + cuts[1:]) / 2
         on = (start[near][None, :] <= mid[:, None]) & (end[near][None, :] > mid[:, None])
-        share = np.full(len(mid), alone[i])
-        pieces.append((np.diff(cuts), share, on @ alone[near], on.sum(1)))
+        own = np.full(len(mid), alone[i])
+        pieces.append((np.diff(cuts), own, on @ alone[near], on.sum(1)))
     if not pieces:
         raise ConfigError("no pass met a pass of another node: no switch cost to fit")
     seconds, own, total, n = (np.concatenate(column) for column in zip(*pieces, strict=True))

@@ -4,7 +4,7 @@ than alone. Two rules say how much; a pass alone always runs at full speed.
 
 - **Round robin** (`cluster.switch_s` set): the processes' kernels take turns, one each, with a
   cost to every turn, so each pass advances at its alone time's part of the alone times of all
-  the passes running plus `switch_s` per pair of them (`round_robin`). A prefill pass beside
+  the passes running plus `switch_s` for every two of them (`round_robin`). A prefill pass beside
   back-to-back decode passes then takes its time plus theirs plus `switch_s`, whatever its size,
   and a decode pass inside a prefill pass ends with it, as measured on one H200
   (docs/calibration.md).
@@ -30,8 +30,8 @@ def pace(weight: float, total: float, capacity: float) -> float:
 
 def round_robin(alone_s: float, total_s: float, passes: int, switch_s: float) -> float:
     """The pace of a pass of `alone_s` among `passes` running passes of `total_s` alone
-    seconds (its own included) whose kernels take turns at `switch_s` a pair: its part of all
-    their time plus the turns' cost; alone, 1."""
+    seconds (its own included) whose kernels take turns at `switch_s` for every two: its part
+    of all their time plus the turns' cost; alone, 1."""
     return 1.0 if passes == 1 else alone_s / (total_s + switch_s * passes / 2)
 
 
