@@ -1,7 +1,7 @@
 """How the passes of processes on one GPU share it, measured from a run's steps table: what
 the simulator's shared GPU (disagg/sim/gpu.py) needs to give the passes the lengths they had,
-under either of its rules: the weights' `cluster.decode_share` and `cluster.prefill_share`
-(`shares`), or the round robin's `cluster.switch_s` (`switch_s`).
+under its weights rule: `cluster.decode_share` and `cluster.prefill_share` (the round robin's
+`cluster.switch_s` is fitted by replays instead: disagg.validate.fit_switch).
 
 A pass alone takes `alone(size)` seconds: a line over batch size for a decode pass
 (`decode_line`), over chunk tokens for one with a prompt chunk (`chunk_line`), each fitted to
@@ -12,9 +12,7 @@ a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's w
 where every pass of the run began and ended, each pass's work at a share is that pace summed
 over its time. A share is the one at which the passes of its kind that met a pass of the other
 kind (of another node) did as much work as they would alone; that work grows with the share,
-so bisection finds it, the other share held. `shares` fits both, in turns. The switch cost
-is found the same way over the passes' device times, all kinds together: their work falls as
-it grows."""
+so bisection finds it, the other share held. `shares` fits both, in turns."""
 
 from __future__ import annotations
 
@@ -38,23 +36,23 @@ def _line(x: np.ndarray, per_pass: np.ndarray) -> Line:
     return lambda size: fixed + slope * size
 
 
-def decode_line(steps: pd.DataFrame, device: bool = False) -> Line:
-    """Seconds per decode pass (`device`: device seconds) as a line over batch size, from the
-    decode-only passes of `steps`."""
+def decode_line(steps: pd.DataFrame) -> Line:
+    """Seconds per decode pass as a line over batch size, from the decode-only passes of
+    `steps`."""
     decodes = steps[steps.prefill_tokens == 0]
     if len(decodes) < 2:
         raise ConfigError("the run for the decode pass alone has fewer than two decode passes")
-    per_pass = (decodes["device_s" if device else "duration_s"] / decodes.steps).to_numpy(float)
+    per_pass = (decodes.duration_s / decodes.steps).to_numpy(float)
     return _line(decodes.decode_seqs.to_numpy(float), per_pass)
 
 
-def chunk_line(steps: pd.DataFrame, device: bool = False) -> Line:
-    """Seconds per pass with a prompt chunk (`device`: device seconds) as a line over its chunk
-    tokens, from those passes of `steps`."""
+def chunk_line(steps: pd.DataFrame) -> Line:
+    """Seconds per pass with a prompt chunk as a line over its chunk tokens, from those passes
+    of `steps`."""
     chunks = steps[steps.prefill_tokens > 0]
     if len(chunks) < 2:
         raise ConfigError("the run for the chunk pass alone has fewer than two chunk passes")
-    per_pass = (chunks["device_s" if device else "duration_s"] / chunks.steps).to_numpy(float)
+    per_pass = (chunks.duration_s / chunks.steps).to_numpy(float)
     return _line(chunks.prefill_tokens.to_numpy(float), per_pass)
 
 
@@ -152,43 +150,3 @@ def shares(
         if moved < 1e-9:
             break
     return a, b
-
-
-SWITCH_BOUNDS = (0.0, 1.0)  # seconds
-
-
-def switch_s(steps: pd.DataFrame, decode_alone: Line, chunk_alone: Line) -> float:
-    """The round robin's `cluster.switch_s` (disagg/sim/gpu.py) of `steps`, a run of processes
-    on one GPU: the cost for every two passes at which the passes' device times that met another
-    node's did, all together, the work they do alone (`decode_alone` device seconds per
-    decode-only pass by batch size, `chunk_alone` per pass with a chunk by chunk tokens); within
-    SWITCH_BOUNDS. A pass's device time is the end of its time (its host time comes first, as
-    the simulator has it)."""
-    if (steps.steps > 1).any():
-        raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
-    end = (steps.start_s + steps.duration_s).to_numpy(float)
-    start = end - steps.device_s.to_numpy(float)
-    node = steps.node.to_numpy()
-    chunk = steps.prefill_tokens.to_numpy(float)
-    alone = np.where(chunk > 0, chunk_alone(chunk), decode_alone(steps.decode_seqs.to_numpy(float)))
-    pieces: list[tuple[np.ndarray, ...]] = []  # (seconds, own alone s, all alone s, passes)
-    for i in range(len(steps)):
-        near = (start < end[i]) & (end > start[i])
-        if not (near & (node != node[i])).any():
-            continue
-        cuts = np.unique(np.clip(np.concatenate([start[near], end[near]]), start[i], end[i]))
-        mid = (cuts[:-1] + cuts[1:]) / 2
-        on = (start[near][None, :] <= mid[:, None]) & (end[near][None, :] > mid[:, None])
-        own = np.full(len(mid), alone[i])
-        pieces.append((np.diff(cuts), own, on @ alone[near], on.sum(1)))
-    if not pieces:
-        raise ConfigError("no pass met a pass of another node: no switch cost to fit")
-    seconds, own, total, n = (np.concatenate(column) for column in zip(*pieces, strict=True))
-    want = float(sum(p[1][0] for p in pieces))
-
-    def work(s: float) -> float:
-        """Minus the work done at switch cost `s` (so that it grows with s, for _bisect)."""
-        pace = np.where(n == 1, 1.0, own / (total + s * n / 2))
-        return -float((seconds * pace).sum())
-
-    return _bisect(work, -want, SWITCH_BOUNDS)

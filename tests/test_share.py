@@ -16,7 +16,6 @@ from disagg.share import (
     overlap_segments,
     prefill_share,
     shares,
-    switch_s,
 )
 from disagg.sim.cluster import Sim
 from disagg.validate_plan import other_mode
@@ -118,30 +117,3 @@ def test_the_fit_says_why_it_cannot_fit() -> None:
         decode_share(runs, alone)
     with pytest.raises(ConfigError, match="fewer than two decode passes"):
         decode_line(apart.iloc[:1])
-
-
-@pytest.mark.parametrize("path", ["llama8b-h200.toml", "qwen3moe-h200-colocated.toml"])
-def test_the_fit_finds_the_switch_cost_a_simulated_round_robin_ran_at(path: str) -> None:
-    """A disaggregated run simulated on one shared GPU under the round robin at a known
-    switch cost gives it back (within 3%), against the device times of the same run's passes
-    on GPUs of their own (each pass alone)."""
-    disagg = other_mode(load_experiment(EXPERIMENTS / path, ["workload.duration_s=20"]))
-    apart = _steps(disagg)
-    decode, chunk = decode_line(apart, device=True), chunk_line(apart, device=True)
-    for cost in (2e-3, 8e-3):
-        shared = _steps(disagg.updated("cluster.shared_gpu=true", f"cluster.switch_s={cost}"))
-        assert switch_s(shared, decode, chunk) == pytest.approx(cost, rel=0.03)
-
-
-def test_a_prefill_pass_beside_a_decode_pass_gives_the_switch_cost_by_hand() -> None:
-    """Hand arithmetic: a 6 ms decode (alone) and a 30 ms prefill (alone) whose device times
-    both ran from 0 to 40 ms took turns at 40 - 36 = 4 ms; passes of one node never meet."""
-    alone = _rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0))
-    alone = alone.assign(device_s=alone.duration_s)
-    decode = decode_line(alone, device=True)
-    chunk = lambda tokens: np.full(len(tokens), 30e-3)  # noqa: E731
-    one = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.0, 0.040, 1, 0), ("d", 0.05, 6e-3, 1, 0))
-    one = one.assign(device_s=one.duration_s)
-    assert switch_s(one, decode, chunk) == pytest.approx(4e-3, rel=1e-9)
-    with pytest.raises(ConfigError, match="no pass met a pass of another node"):
-        switch_s(one.iloc[[2]], decode, chunk)

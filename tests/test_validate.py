@@ -257,7 +257,9 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
 ) -> None:
     """A calibration whose shared run was simulated under one rule of the shared GPU has both
     rules fitted on it and replays it under each: the one it ran under replays it closer, and
-    its shares go to share.json (the round robin's with its switch cost, within 3%)."""
+    goes to share.json; the round robin's switch cost is found again within 10% (5 ms: the
+    summary's percentiles move in steps, so costs near it replay it as closely), the weights'
+    shares within 1%."""
     from typer.testing import CliRunner
 
     from disagg.cli import app
@@ -278,11 +280,15 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     assert said[0].startswith("shared GPU: mean |log sim/hw| on disagg-20rps: weights ")
     errors = dict(re.findall(r"(weights|round robin) ([0-9.]+)", said[0]))
     assert min(errors, key=lambda r: float(errors[r])) == rule
-    assert ("switch_s" in fitted) == (rule == "round robin")
     if rule == "round robin":
-        assert fitted["switch_s"] == pytest.approx(0.005, rel=0.03)
+        assert list(fitted) == ["switch_s"]
+        assert fitted["switch_s"] == pytest.approx(0.005, rel=0.1)
+        assert float(errors["round robin"]) < 0.005
+    else:
+        assert list(fitted.values()) == pytest.approx([0.3, 0.85], rel=0.01)
     assert json.loads((cal / "share.json").read_text()) == fitted
-    assert (cal / "rules" / "round-robin" / "summary.json").exists()
+    assert (cal / "round-robin" / "summary.json").exists()
+    assert (cal / "weights" / "summary.json").exists()
 
 
 def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
