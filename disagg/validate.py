@@ -540,8 +540,8 @@ def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[floa
     """The round robin's switch cost whose replay of `shared` (the calibration's run on one
     GPU) on the profile (`on_profile`) is closest to it (`replay_error`), golden-section
     searched over SWITCH_RANGE_S to SWITCH_STEP_S, and that error; its replay is left in
-    `out`. The error falls to one least and rises beyond (measured: Llama-3.1-8B least near 6
-    ms, Qwen3-30B-A3B near 1 ms)."""
+    `out`. The search assumes the error falls to one least and rises beyond it, as it did on
+    every run tried (docs/calibration.md)."""
 
     def error(switch_s: float) -> float:
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
