@@ -543,7 +543,10 @@ def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[floa
     `out`. The search assumes the error falls to one least and rises beyond it, as it did on
     every run tried (docs/calibration.md)."""
 
+    tried: list[float] = []  # in order: the last one's replay is the one in `out`
+
     def error(switch_s: float) -> float:
+        tried.append(switch_s)
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
 
     lo, hi = SWITCH_RANGE_S
@@ -559,8 +562,10 @@ def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[floa
             lo, c, fc = c, d, fd
             d = lo + step * (hi - lo)
             fd = error(d)
-    best = c if fc <= fd else d
-    return best, error(best)  # its replay the one left in `out`
+    best, least = (c, fc) if fc <= fd else (d, fd)
+    if tried[-1] != best:
+        error(best)  # to leave its replay in `out`
+    return best, least
 
 
 def calibration_shares(
