@@ -1,0 +1,81 @@
+"""Does a setting change the real backend? Each hw run given is run again as it ran (its
+experiment.json: the same seed, workload and load, fresh servers) under each set of overrides,
+the sets taking turns round after round, so that drift of the machine falls on every set alike.
+
+Writes `hw_ab.csv` (run, set, round, each fidelity metric, and the prefill passes' median host
+and device ms), `hw_ab.md` (medians over the rounds, each set over the first), and each run
+under OUT/RUN/SET-ROUND.
+
+    python benchmarks/hw_ab.py runs/validate/hw/disagg-3.09rps --rounds 2 \\
+        --sets 'hw.latency.meta_in_stream=true;hw.latency.meta_in_stream=false'
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from disagg.config import load_experiment
+from disagg.fidelity import LABELS, METRICS
+from disagg.hw.driver import run_hw
+
+PASS_COLUMNS = ["prefill_host_ms", "prefill_device_ms"]
+
+
+def prefill_passes(run: Path) -> dict[str, float]:
+    """The median host and device ms of a run's prefill passes (host: a pass's wall time
+    that its device time does not cover)."""
+    steps = pd.read_parquet(run / "steps.parquet")
+    p = steps[steps.kind == "prefill"]
+    return {
+        "prefill_host_ms": float(((p.duration_s - p.device_s) * 1e3).median()),
+        "prefill_device_ms": float((p.device_s * 1e3).median()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", type=Path, nargs="+", help="hw run directories")
+    ap.add_argument("--sets", required=True, help="';'-separated sets of ','-separated key=value")
+    ap.add_argument("--rounds", type=int, default=1, help="times each set runs each run")
+    ap.add_argument("--out", type=Path, default=Path("runs/hw-ab"))
+    a = ap.parse_args()
+    sets = [s.strip() for s in a.sets.split(";") if s.strip()]
+    rows = []
+    for run in a.runs:
+        for rnd in range(1, a.rounds + 1):
+            for k, s in enumerate(sets):
+                out = a.out / run.name / f"set{k}-{rnd}"
+                print(f"hw ab: {run.name}, round {rnd}/{a.rounds}, {s}", flush=True)
+                summary, _ = run_hw(load_experiment(run, s.split(",")), out)
+                metrics = {key: summary[key] for key in METRICS.values()}
+                row = {"run": run.name, "set": s, "round": rnd, **metrics}
+                rows.append(row | prefill_passes(out))
+                table = pd.DataFrame(rows)
+                a.out.mkdir(parents=True, exist_ok=True)
+                table.to_csv(a.out / "hw_ab.csv", index=False)  # each run kept as it ends
+    columns = [*METRICS.values(), *PASS_COLUMNS]
+    med = table.groupby(["run", "set"], sort=False)[columns].median()
+    names = [LABELS.get(c, c) for c in columns]
+    lines = [
+        "# Each hw run again under each set",
+        "",
+        "Medians over the rounds; after each, in brackets, over the first set's.",
+        "",
+        "| run | set | " + " | ".join(names) + " |",
+        "|---|---|" + "---:|" * len(columns),
+    ]
+    for (run, s), r in med.iterrows():
+        base = med.loc[(run, sets[0])]
+        cells = [
+            f"{v:.4g}" + ("" if s == sets[0] else f" ({v / base[c]:.3f})") for c, v in r.items()
+        ]
+        lines.append(f"| {run} | {s} | " + " | ".join(cells) + " |")
+    (a.out / "hw_ab.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
