@@ -276,6 +276,10 @@ class CostConfig(_Frozen):
     # with a profile: (chunk tokens, s) points, the device time a serving run's passes with a
     # prompt chunk took beyond the profile's cost of them (`disagg validate` measures them)
     profile_chunk_offsets: tuple[tuple[float, float], ...] = ()
+    # with a profile: a disaggregated decode node's device time per pass over the profile's
+    # (`disagg validate` measures it: its decode server's passes beside no prefill pass over
+    # a colocated server's, which the profile matches)
+    profile_decode_scale: float = Field(default=1.0, gt=0)
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

@@ -12,7 +12,11 @@ a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's w
 where every pass of the run began and ended, each pass's work at a share is that pace summed
 over its time. A share is the one at which the passes of its kind that met a pass of the other
 kind (of another node) did as much work as they would alone; that work grows with the share,
-so bisection finds it, the other share held. `shares` fits both, in turns."""
+so bisection finds it, the other share held. `shares` fits both, in turns.
+
+The same run also says how fast its decode server runs the passes that met no chunk pass,
+against a colocated server's passes alone (`decode_scale`): the simulator's
+`cost.profile_decode_scale`."""
 
 from __future__ import annotations
 
@@ -150,3 +154,24 @@ def shares(
         if moved < 1e-9:
             break
     return a, b
+
+
+MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak
+
+
+def decode_scale(steps: pd.DataFrame, alone: pd.DataFrame) -> float | None:
+    """How fast a disaggregated run's decode server runs its passes: the median, over the
+    decode-only passes of `steps` (one pass a row) that met no pass with a prompt chunk, of
+    their device time over what the decode-only passes of `alone` (a run of one colocated
+    server, as the profile is measured) took on the device at their batch size (a line).
+    None where the runs record no device time, or with fewer than MIN_ALONE_PASSES such
+    passes."""
+    free = (steps.prefill_tokens == 0).to_numpy(copy=True)
+    free[list(overlap_segments(steps))] = False
+    own = steps[free].dropna(subset=["device_s"])
+    ref = alone[alone.prefill_tokens == 0].dropna(subset=["device_s"])
+    if len(own) < MIN_ALONE_PASSES or len(ref) < 2:
+        return None
+    line = _line(ref.decode_seqs.to_numpy(float), (ref.device_s / ref.steps).to_numpy(float))
+    device = (own.device_s / own.steps).to_numpy(float)
+    return float(np.median(device / line(own.decode_seqs.to_numpy(float))))

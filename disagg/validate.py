@@ -59,7 +59,7 @@ from disagg.fidelity import (
     widest_spreads,
     write_report,
 )
-from disagg.share import chunk_line, decode_line, shares
+from disagg.share import chunk_line, decode_line, decode_scale, shares
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -578,10 +578,9 @@ def calibration_shares(
     (`on_profile`), the round robin's switch cost comes from replays of that run (`fit_switch`),
     and the rule whose replay comes closer to it (`replay_error`) is the one kept; without,
     the weights."""
-    shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
-    alone = [d for d in sorted(cal.glob("*rps")) if not d.name.startswith("disagg-")]
-    if shared and alone:
-        run, fitted = shared[-1], fit_shares(shared[-1], alone)
+    run, alone = calibration_runs(cal)
+    if run is not None and alone:
+        fitted = fit_shares(run, alone)
         if on_profile is not None:
             weights = replay_error(run, [*share_overrides(fitted), *on_profile], cal / "weights")
             switch_s, turns = fit_switch(run, on_profile, cal / "round-robin")
@@ -592,6 +591,29 @@ def calibration_shares(
         (cal / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
         return fitted
     return read_shares(cal / "share.json") if (cal / "share.json").exists() else {}
+
+
+def calibration_runs(cal: Path) -> tuple[Path | None, list[Path]]:
+    """A calibration directory's disaggregated run on one GPU (`measure_share`'s; None
+    without one) and its colocated runs (`measure_loop`'s)."""
+    shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
+    alone = [d for d in sorted(cal.glob("*rps")) if not d.name.startswith("disagg-")]
+    return (shared[-1] if shared else None), alone
+
+
+def calibration_decode_scale(cal: Path, say: Callable[[str], None] = print) -> dict[str, float]:
+    """The calibration `cal`'s `cost.profile_decode_scale`, as a loop cost: its
+    disaggregated run's decode passes that met no prefill pass against its colocated runs'
+    (`disagg.share.decode_scale`); {} without those runs or their device times."""
+    run, alone = calibration_runs(cal)
+    if run is None or not alone:
+        return {}
+    steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
+    scale = decode_scale(pd.read_parquet(run / "steps.parquet"), steps)
+    if scale is None:
+        return {}
+    say(f"decode server: its passes beside no prefill took {scale:.3f} of a colocated one's")
+    return {"profile_decode_scale": scale}
 
 
 def read_shares(path: Path) -> dict[str, float]:
@@ -747,6 +769,7 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
+    costs |= calibration_decode_scale(out / "calibration", say)
     on_profile = profiled(csv, costs)
     fitted = calibration_shares(out / "calibration", on_profile, say)
     if fitted:  # where the servers shared one GPU; the caller's overrides come after

@@ -4,6 +4,7 @@ on small hand-written tables (the interpolation itself: tests/test_costmodel.py)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -128,10 +129,16 @@ def host_run(tmp_path: Path, host_s: float) -> Sim:
     rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},{host_s}" for b, c, _ in DECODE]
     path = tmp_path / f"host-{host_s}.csv"
     path.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
+    return one_at_a_time({"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}}, path)
+
+
+def one_at_a_time(cluster: dict[str, Any], profile: Path, **cost: float) -> Sim:
+    """A finished Sim of three requests of 600 + 5 tokens, one at a time, of tiny-gqa on
+    `cluster` and `profile` (with `cost` settings)."""
     data = {
         "model": {"name": "tiny-gqa"},
-        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
-        "cost": {"source": f"profile:{path}"},
+        "cluster": cluster,
+        "cost": {"source": f"profile:{profile}", **cost},
         "workload": {
             "rate_per_s": 0.5,
             "num_requests": 3,
@@ -220,3 +227,43 @@ def test_chunk_offsets_come_from_the_experiment_and_bad_ones_are_refused(tmp_pat
         ProfileCost(table(tmp_path), chunk_offsets=[(1000.0, 0.01), (100.0, 0.0)])
     with pytest.raises(ConfigError, match="tokens > 0 increasing"):
         ProfileCost(table(tmp_path), chunk_offsets=[(0, 0.01)])
+
+
+def test_the_decode_scale_multiplies_the_device_time_of_the_decodes_alone(tmp_path: Path) -> None:
+    """decode_scale 0.9: a decode pass's device time (10 ms + 1.6 ms for its 16,000 cached
+    tokens) and both terms of its line times 0.9, its host time as it was; a chunk pass as it
+    was. An experiment's `cost.profile_decode_scale` goes to a decode node's cost model only."""
+    host = 0.001 + 8 * 0.0001
+    c = ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001), decode_scale=0.9)
+    assert c.step_time(DECODE_8) == pytest.approx(0.9 * (0.01 + 16000e-7) + host)
+    assert c.decode_line(8) == pytest.approx((0.9 * 0.01 + host, 0.9 * 1e-7))
+    assert c.step_time(prefill(768)) == pytest.approx(0.0015 + 0.003 + 0.0001)
+    with pytest.raises(ConfigError, match=r"decode_scale 0\.0"):
+        ProfileCost(table(tmp_path), decode_scale=0.0)
+    cost = {"source": f"profile:{table(tmp_path)}", "profile_decode_scale": 0.9}
+    one_gpu = {"nodes": 1, "tp": 1}
+    cluster = {"mode": "disagg", "prefill": one_gpu, "decode": one_gpu}
+    exp = build_experiment({"model": {"name": "tiny-gqa"}, "cluster": cluster, "cost": cost})
+    scales = {
+        role: cast(ProfileCost, make_cost_model(exp, exp.cluster.decode, role)).decode_scale
+        for role in ("decode", "prefill", "colocated")
+    }
+    assert scales == {"decode": 0.9, "prefill": 1.0, "colocated": 1.0}
+
+
+def test_a_simulated_decode_node_runs_its_passes_at_the_decode_scale(tmp_path: Path) -> None:
+    """One request at a time on a profile without host time: at decode scale 0.5 each
+    request's TPOT (one decode pass a token) is half of what it is at 1, its prefill as long."""
+    cluster = {"mode": "disagg", "prefill": {"tp": 1}, "decode": {"tp": 1}}
+    no_host = table(tmp_path, host=False)
+    runs = [
+        requests_table(
+            one_at_a_time(cluster, no_host, profile_decode_scale=scale).requests.values()
+        )
+        for scale in (1.0, 0.5)
+    ]
+    base, fast = runs
+    assert len(base) == 3
+    assert fast.tpot_s.to_list() == pytest.approx((0.5 * base.tpot_s).to_list(), rel=1e-9)
+    prefill_s = [r.prefill_end_s - r.prefill_start_s for r in runs]
+    assert prefill_s[1].to_list() == pytest.approx(prefill_s[0].to_list(), rel=1e-9)

@@ -10,8 +10,10 @@ from disagg.config import Experiment, load_experiment
 from disagg.core.metrics import STEP_COLUMNS, steps_table
 from disagg.errors import ConfigError
 from disagg.share import (
+    MIN_ALONE_PASSES,
     chunk_line,
     decode_line,
+    decode_scale,
     decode_share,
     overlap_segments,
     prefill_share,
@@ -117,3 +119,24 @@ def test_the_fit_says_why_it_cannot_fit() -> None:
         decode_share(runs, alone)
     with pytest.raises(ConfigError, match="fewer than two decode passes"):
         decode_line(apart.iloc[:1])
+
+
+def test_the_decode_scale_is_its_passes_beside_no_prefill_over_a_colocated_servers() -> None:
+    """Hand arithmetic: alone (a colocated server's run), a decode pass takes 5 ms + 1 ms per
+    sequence on the device. The decode server's passes beside no prefill pass took 0.9 of
+    that at their batch; its passes inside a prefill pass (more of them, three times as
+    long) and the prefill pass itself do not count: the scale is 0.9. With fewer such passes than
+    MIN_ALONE_PASSES, or without device times, there is none."""
+    alone = _rows(*(("c", 0.01 * b, 0.002, b, 0) for b in (1, 2, 3, 4)))
+    alone["device_s"] = 0.005 + 0.001 * alone.decode_seqs
+    n = MIN_ALONE_PASSES
+    passes = [("d", 0.01 * i, 0.008, 1 + i % 3, 0) for i in range(n)]
+    passes += [("p", 1.0, 0.050 * (n + 1), 0, 2048)]
+    passes += [("d", 1.01 + 0.05 * i, 0.030, 2, 0) for i in range(n + 1)]  # beside it
+    shared = _rows(*passes)
+    shared["device_s"] = 0.9 * (0.005 + 0.001 * shared.decode_seqs)
+    shared.loc[n, "device_s"] = 0.045  # the prefill pass
+    shared.loc[n + 1 :, "device_s"] = 3 * 0.007  # the decode passes beside it
+    assert decode_scale(shared, alone) == pytest.approx(0.9, rel=1e-9)
+    assert decode_scale(shared.drop(index=0), alone) is None  # one pass too few
+    assert decode_scale(shared.assign(device_s=np.nan), alone) is None

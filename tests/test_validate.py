@@ -245,6 +245,54 @@ def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path:
     assert calibration_shares(tmp_path / "none") == {}
 
 
+def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path: Path) -> None:
+    """A calibration whose shared run's decode node ran at decode scale 0.8 (simulated on a
+    profile: 10 ms + 0.1 us per cached token a decode pass) gives 0.8 back within 1% against
+    its colocated run's decode passes, as the replays' loop cost; without a shared run, none."""
+    from disagg.config import build_experiment
+    from disagg.core.metrics import steps_table
+    from disagg.sim.cluster import Sim
+    from disagg.validate import calibration_decode_scale
+
+    profile = tmp_path / "profile.csv"
+    rows = [f"prefill,{n},1,0,{n * 2e-6}" for n in (256, 1024)]
+    rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7}" for b in (1, 8) for c in (256, 1024)]
+    profile.write_text("kind,tokens,batch,context,duration_s\n" + "\n".join(rows) + "\n")
+    one_gpu = {"nodes": 1, "tp": 1}
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "disagg", "prefill": one_gpu, "decode": one_gpu},
+        "cost": {"source": f"profile:{profile}"},
+        "workload": {
+            "rate_per_s": 4,
+            "num_requests": 40,
+            "prompt_tokens": {"dist": "uniform", "low": 64, "high": 1024},
+            "output_tokens": {"dist": "uniform", "low": 16, "high": 64},
+        },
+    }
+    cal = tmp_path / "calibration"
+    assert calibration_decode_scale(cal) == {}
+    for name, settings in (
+        ("4rps", []),
+        ("disagg-4rps", ["cluster.shared_gpu=true", "cost.profile_decode_scale=0.8"]),
+    ):
+        sim = Sim(build_experiment(data, settings))
+        sim.run()
+        (cal / name).mkdir(parents=True)
+        steps_table(sim.rec).to_parquet(cal / name / "steps.parquet")
+        (cal / name / "summary.json").write_text("{}")
+    said: list[str] = []
+    fitted = calibration_decode_scale(cal, said.append)
+    assert list(fitted) == ["profile_decode_scale"]
+    assert fitted["profile_decode_scale"] == pytest.approx(0.8, rel=0.01)
+    scale = fitted["profile_decode_scale"]
+    assert said == [
+        f"decode server: its passes beside no prefill took {scale:.3f} of a colocated one's"
+    ]
+    (cal / "disagg-4rps" / "summary.json").unlink()  # a shared run cut short: none
+    assert calibration_decode_scale(cal) == {}
+
+
 @pytest.mark.parametrize(
     ("rule", "settings"),
     [

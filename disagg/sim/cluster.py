@@ -114,7 +114,7 @@ class Node(Generic[R]):
         self.sim, self.idx, self.group = sim, idx, group
         self.name = f"{self.kind}{idx}"
         self.env = sim.env
-        self.cost = make_cost_model(sim.exp, group)
+        self.cost = make_cost_model(sim.exp, group, self.kind)
         self.pool = PagePool(pool_pages(sim.exp, group, self.kind), sim.exp.kv.page_size, self.name)
         self._wake = self.env.wake()
         self.wake = self._wake.set  # the port's wake(): there may be a pass to run
