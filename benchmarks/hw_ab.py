@@ -35,6 +35,27 @@ def prefill_passes(run: Path) -> dict[str, float]:
     }
 
 
+def report(table: pd.DataFrame) -> str:
+    """hw_ab.md of the rows of `table` (hw_ab.csv's): per run and set, the medians over the
+    rounds, each beside its ratio to the first set's (the sets in their first order)."""
+    columns = [*METRICS.values(), *PASS_COLUMNS]
+    med = table.groupby(["run", "set"], sort=False)[columns].median()
+    first = table.set.iloc[0]
+    lines = [
+        "# Each hw run again under each set",
+        "",
+        f"Medians over the rounds; in brackets, over {first}'s.",
+        "",
+        "| run | set | " + " | ".join(LABELS.get(c, c) for c in columns) + " |",
+        "|---|---|" + "---:|" * len(columns),
+    ]
+    for (run, s), r in med.iterrows():
+        base = med.loc[(run, first)] if (run, first) in med.index else r
+        cells = [f"{v:.4g}" + ("" if s == first else f" ({v / base[c]:.3f})") for c, v in r.items()]
+        lines.append(f"| {run} | {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", type=Path, nargs="+", help="hw run directories")
@@ -44,6 +65,7 @@ def main() -> None:
     a = ap.parse_args()
     sets = [s.strip() for s in a.sets.split(";") if s.strip()]
     rows = []
+    a.out.mkdir(parents=True, exist_ok=True)
     for run in a.runs:
         for rnd in range(1, a.rounds + 1):
             for k, s in enumerate(sets):
@@ -51,30 +73,14 @@ def main() -> None:
                 print(f"hw ab: {run.name}, round {rnd}/{a.rounds}, {s}", flush=True)
                 summary, _ = run_hw(load_experiment(run, s.split(",")), out)
                 metrics = {key: summary[key] for key in METRICS.values()}
-                row = {"run": run.name, "set": s, "round": rnd, **metrics}
-                rows.append(row | prefill_passes(out))
+                rows.append(
+                    {"run": run.name, "set": s, "round": rnd, **metrics} | prefill_passes(out)
+                )
+                # both files as each run ends: a call cut short keeps them
                 table = pd.DataFrame(rows)
-                a.out.mkdir(parents=True, exist_ok=True)
-                table.to_csv(a.out / "hw_ab.csv", index=False)  # each run kept as it ends
-    columns = [*METRICS.values(), *PASS_COLUMNS]
-    med = table.groupby(["run", "set"], sort=False)[columns].median()
-    names = [LABELS.get(c, c) for c in columns]
-    lines = [
-        "# Each hw run again under each set",
-        "",
-        "Medians over the rounds; after each, in brackets, over the first set's.",
-        "",
-        "| run | set | " + " | ".join(names) + " |",
-        "|---|---|" + "---:|" * len(columns),
-    ]
-    for (run, s), r in med.iterrows():
-        base = med.loc[(run, sets[0])]
-        cells = [
-            f"{v:.4g}" + ("" if s == sets[0] else f" ({v / base[c]:.3f})") for c, v in r.items()
-        ]
-        lines.append(f"| {run} | {s} | " + " | ".join(cells) + " |")
-    (a.out / "hw_ab.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                table.to_csv(a.out / "hw_ab.csv", index=False)
+                (a.out / "hw_ab.md").write_text(report(table))
+    print(report(table))
 
 
 if __name__ == "__main__":
