@@ -91,11 +91,14 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     requests), at the shortest prompt's to the longest request's context; mixed passes of each
     chunk beside each decode batch, at the shortest context.
 
-    An MoE model's decode passes are profiled at every power of two up to the batch limit as
-    well: their time follows the experts the batch activates, which grows fast and then
-    saturates, so a line between a few batches falls short in between (on one H200, Qwen3-30B-
-    A3B's passes of 2-25 sequences ran up to 16% longer than interpolated between batches 1,
-    6 and 40). Its mixed passes keep the `points` batches."""
+    Decode passes are profiled at every power of two up to the batch limit as well: the hw
+    runner replays a decode pass in the CUDA graph of the next power of two (GRAPH_BATCHES),
+    so its time steps up past each (on one H200, Llama-3.1-8B's passes of 17 sequences took
+    1 ms more than those of 16, and a line between batches 11 and 128 missed it by 5-10% at
+    batches 17-64); and an MoE pass's time follows the experts its batch activates, which
+    grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences ran up to 16%
+    longer than interpolated between batches 1, 6 and 40). Mixed passes, which run eagerly,
+    keep the `points` batches."""
     prompts, totals, chunks, batches, cached = [], [], [], [], 0
     for exp in exps:
         arrivals = _arrivals(exp)
@@ -111,11 +114,10 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     decode_batch = log_grid(1, max(batches), points)
     decode_context = log_grid(min(prompts), max(totals), 2)
     powers = (2**k for k in range(max(batches).bit_length()))
-    moe = any(exp.model.spec.is_moe for exp in exps)
     return Grid(
         prefill_tokens=prefill_tokens,
         prefill_context=(0, cached) if cached > 0 else (0,),
-        decode_batch=tuple(sorted({*decode_batch, *powers})) if moe else decode_batch,
+        decode_batch=tuple(sorted({*decode_batch, *powers})),
         decode_context=decode_context,
         # a colocated pass: a chunk beside a decode batch (the cost model's shared fixed cost)
         mixed=tuple(

@@ -484,20 +484,23 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
     assert grid.decode_context == (min(prompts), longest)
     assert grid.mixed == tuple(
-        (n, b, min(prompts)) for n in grid.prefill_tokens for b in grid.decode_batch
+        (n, b, min(prompts)) for n in grid.prefill_tokens for b in log_grid(1, 4, 3)
     )
 
 
-def test_an_moe_models_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
-    """Its decode time follows the experts the batch activates (concave in the batch), so the
-    decode axis also gets 1, 2, 4, 8, ... up to the batch limit; its mixed passes do not."""
+def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
+    """A decode pass runs in the CUDA graph of the next power of two, and an MoE pass's time
+    follows the experts its batch activates, so the decode axis gets 1, 2, 4, 8, ... up to the
+    batch limit (16) besides its log grid (1, 4, 16 at 3 points; 1, 3, 6, 16 at 4); the mixed
+    passes, which run eagerly, keep the log grid's batches."""
     dense = load_experiment(TINY, ["workload.num_requests=40"])
     moe = dense.updated("model.name=tiny-moe")
     assert moe.model.spec.is_moe and not dense.model.spec.is_moe
-    plain, grid = profile_grid([dense], 3), profile_grid([moe], 3)
-    assert plain.decode_batch == (1, 4, 16)  # the batch limit of 16
-    assert grid.decode_batch == (1, 2, 4, 8, 16)
-    assert grid.mixed == plain.mixed and grid.prefill_tokens == plain.prefill_tokens
+    for exp in (dense, moe):
+        grid = profile_grid([exp], 3)
+        assert grid.decode_batch == (1, 2, 4, 8, 16)
+        assert {b for _, b, _ in grid.mixed} == {1, 4, 16}
+    assert profile_grid([dense], 4).decode_batch == (1, 2, 3, 4, 6, 8, 16)
 
 
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
