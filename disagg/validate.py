@@ -8,7 +8,8 @@ Stages, each announced through `say`:
    profile replays add; where the disaggregated servers share one GPU, a run of its own that
    shows how they share it (`measure_share`): every replay fits both rules of the simulator's
    shared GPU on it (the decode and prefill shares, and the round robin's switch cost) and
-   gets the one whose replay of that run comes closer to it (`calibration_shares`);
+   gets the one whose replay of that run comes closer to it (`calibration_shares`), and the
+   speed of its decode server's passes that met no prefill pass (`calibration_decode_scale`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; each
    run `hw_runs` times on its workload, judged on the median (`hw_dirs`);

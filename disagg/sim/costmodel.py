@@ -266,7 +266,8 @@ class ProfileCost:
     with a chunk (`disagg validate` measures it: a server's small chunks run longer than the
     profile's, its large ones shorter). `decode_scale` (default 1) multiplies the device time
     of every pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than
-    the profile's on one H200 (`disagg validate` measures it).
+    a colocated server's, which the profile matches, on one H200 (`disagg validate` measures
+    it).
     """
 
     def __init__(
