@@ -4,7 +4,8 @@ the sets taking turns round after round, so that drift of the machine falls on e
 
 Writes `hw_ab.csv` (run, set, round, each fidelity metric, and the prefill passes' median host
 and device ms), `hw_ab.md` (medians over the rounds, each set over the first), and each run
-under OUT/RUN/SET-ROUND.
+under OUT/RUN/SET-ROUND (RUN: the run's directory name, with as many parents as tell it from
+the others, as hw_repeat.py names them).
 
     python benchmarks/hw_ab.py runs/validate/hw/disagg-3.09rps --rounds 2 \\
         --sets 'hw.latency.meta_in_stream=true;hw.latency.meta_in_stream=false'
@@ -16,6 +17,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
+from hw_repeat import labels  # this script's folder is on the path when it runs
 
 from disagg.config import load_experiment
 from disagg.fidelity import LABELS, METRICS
@@ -66,16 +68,14 @@ def main() -> None:
     sets = [s.strip() for s in a.sets.split(";") if s.strip()]
     rows = []
     a.out.mkdir(parents=True, exist_ok=True)
-    for run in a.runs:
+    for run, label in zip(a.runs, labels(a.runs), strict=True):
         for rnd in range(1, a.rounds + 1):
             for k, s in enumerate(sets):
-                out = a.out / run.name / f"set{k}-{rnd}"
-                print(f"hw ab: {run.name}, round {rnd}/{a.rounds}, {s}", flush=True)
+                out = a.out / label / f"set{k}-{rnd}"
+                print(f"hw ab: {label}, round {rnd}/{a.rounds}, {s}", flush=True)
                 summary, _ = run_hw(load_experiment(run, s.split(",")), out)
                 metrics = {key: summary[key] for key in METRICS.values()}
-                rows.append(
-                    {"run": run.name, "set": s, "round": rnd, **metrics} | prefill_passes(out)
-                )
+                rows.append({"run": label, "set": s, "round": rnd, **metrics} | prefill_passes(out))
                 # both files as each run ends: a call cut short keeps them
                 table = pd.DataFrame(rows)
                 table.to_csv(a.out / "hw_ab.csv", index=False)
