@@ -72,6 +72,7 @@ class Grid:
     decode_batch: tuple[int, ...]
     decode_context: tuple[int, ...]
     mixed: tuple[tuple[int, int, int], ...] = ()  # (chunk tokens, decodes, their context)
+    decode_mix: tuple[int, ...] = ()  # contexts a decode batch's sequences are drawn from
 
     def __str__(self) -> str:
         def join(v: tuple[int, ...]) -> str:
@@ -79,8 +80,9 @@ class Grid:
 
         return (
             f"prefill {join(self.prefill_tokens)} tokens x {join(self.prefill_context)} cached; "
-            f"decode batch {join(self.decode_batch)} x {join(self.decode_context)} context; "
-            f"{len(self.mixed)} mixed"
+            f"decode batch {join(self.decode_batch)} x {join(self.decode_context)} context"
+            + (f" and a mix of {min(m)}-{max(m)}; " if (m := self.decode_mix) else "; ")
+            + f"{len(self.mixed)} mixed"
         )
 
 
@@ -88,8 +90,12 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     """The profile grid the experiments' workloads reach: prefill chunks of the shortest prompt
     to the largest token budget (or longest prompt), after 0 cached tokens or as many as a last
     chunk of the longest prompt has; decode batches of 1 to the batch limit (or the number of
-    requests), at the shortest prompt's to the longest request's context; mixed passes of each
-    chunk beside each decode batch, at the shortest context.
+    requests), each at the shortest prompt's context and at a mix of the contexts the
+    workload's requests pass through while they decode (`decode_mix`: each prompt plus 0, 1/4,
+    1/2 and 3/4 of its output); mixed passes of each chunk beside each decode batch, at the
+    shortest context. The mix, not one long context, gives each batch's line its slope: a
+    server's batches mix long and short sequences, which take longer than uniform ones of the
+    same total (on one H200, Llama-3.1-8B batches of 25-64 took 4-6% longer).
 
     Decode passes are profiled at every power of two up to the batch limit as well: the hw
     runner replays a decode pass in the CUDA graph of the next power of two (GRAPH_BATCHES),
@@ -99,11 +105,11 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences ran up to 16%
     longer than interpolated between batches 1, 6 and 40). Mixed passes, which run eagerly,
     keep the `points` batches."""
-    prompts, totals, chunks, batches, cached = [], [], [], [], 0
+    prompts, mix, chunks, batches, cached = [], [], [], [], 0
     for exp in exps:
         arrivals = _arrivals(exp)
         prompts += [a.prompt_tokens for a in arrivals]
-        totals += [a.prompt_tokens + a.output_tokens for a in arrivals]
+        mix += [a.prompt_tokens + a.output_tokens * q // 4 for a in arrivals for q in range(4)]
         budget = _group(exp, "prefill").token_budget
         chunks.append(budget)
         batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
@@ -112,17 +118,15 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     top = min(max(chunks), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
     decode_batch = log_grid(1, max(batches), points)
-    decode_context = log_grid(min(prompts), max(totals), 2)
     powers = (2**k for k in range(max(batches).bit_length()))
     return Grid(
         prefill_tokens=prefill_tokens,
         prefill_context=(0, cached) if cached > 0 else (0,),
         decode_batch=tuple(sorted({*decode_batch, *powers})),
-        decode_context=decode_context,
+        decode_context=(min(prompts),),
         # a colocated pass: a chunk beside a decode batch (the cost model's shared fixed cost)
-        mixed=tuple(
-            (n, b, decode_context[0]) for n in sorted({*prefill_tokens}) for b in decode_batch
-        ),
+        mixed=tuple((n, b, min(prompts)) for n in sorted({*prefill_tokens}) for b in decode_batch),
+        decode_mix=tuple(sorted(mix)),
     )
 
 

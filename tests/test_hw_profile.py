@@ -11,7 +11,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import pandas as pd
 import torch
 
-from disagg.hw.profile import COLUMNS, profile, write_csv
+from disagg.hw.profile import COLUMNS, mix_contexts, profile, write_csv
 from disagg.hw.specs import tiny_gqa
 
 
@@ -28,9 +28,19 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
         warmup=1,
         repeats=3,
         mixed=((8, 4, 8), (32, 4, 8)),
+        decode_mix=(40, 5, 13, 9),
     )
     assert list(df.columns) == COLUMNS
-    assert COLUMNS == ["kind", "tokens", "batch", "context", "duration_s", "host_s"]
+    assert COLUMNS == [
+        "kind",
+        "tokens",
+        "batch",
+        "context",
+        "duration_s",
+        "host_s",
+        "graph_batch",
+    ]
+    assert (df.graph_batch == 0).all()  # no CUDA graphs on the CPU
     prefill, decode, mixed = (df[df.kind == k] for k in ("prefill", "decode", "mixed"))
     assert sorted(zip(mixed.tokens, mixed.batch, mixed.context, strict=True)) == [
         (8, 4, 8),
@@ -43,11 +53,26 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
         (32, 16),
     ]
     assert (prefill.batch == 1).all()
-    assert list(decode.tokens) == list(decode.batch) == [1, 4] and (decode.context == 8).all()
+    # each batch at 8 tokens, then at the mix: 13 (its median) alone, all four (mean 16.75)
+    assert list(decode.tokens) == list(decode.batch) == [1, 4, 1, 4]
+    assert list(decode.context) == [8, 8, 13, 17]
     assert (df.duration_s > 0).all()
     assert (df.host_s == 0.0).all()  # on the CPU the step's wall time is its duration
     back = pd.read_csv(write_csv(df, tmp_path / "gpu_profile.csv"))
     pd.testing.assert_frame_equal(back, df)
+
+
+def test_a_mixed_batch_takes_the_pools_quantiles_in_a_seeded_order() -> None:
+    """Batch b takes the pool's values at ranks (i + 1/2) * len / b: of 8 values, a batch of 4
+    the 2nd, 4th, 6th and 8th smallest; the order is shuffled, the same for the same seed."""
+    pool = (80, 10, 70, 20, 60, 30, 50, 40)
+    four = mix_contexts(pool, 4, seed=3)
+    assert sorted(four) == [20, 40, 60, 80]
+    assert mix_contexts(pool, 4, seed=3) == four
+    assert mix_contexts(pool, 1) == (50,)
+    assert sorted(mix_contexts(pool, 16)) == sorted(pool * 2)
+    orders = {mix_contexts(pool, 8, seed=s) for s in range(5)}
+    assert len(orders) > 1 and all(sorted(o) == sorted(pool) for o in orders)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -75,6 +100,9 @@ def test_profile_on_a_gpu_gives_each_shape_its_host_time() -> None:
         mixed=((16, 4, 32),),
     )
     assert list(df.kind) == ["prefill", "prefill", "decode", "decode", "mixed"]
+    # FlashInfer replays decode passes in CUDA graphs (4 sequences: the graph of 4); the torch
+    # reference and the other passes run eagerly
+    assert list(df.graph_batch) == ([0, 0, 1, 4, 0] if flashinfer else [0] * 5)
     assert (df.duration_s > 0).all()
     assert (df.host_s >= 0).all() and df.host_s.notna().all()
 

@@ -267,3 +267,54 @@ def test_a_simulated_decode_node_runs_its_passes_at_the_decode_scale(tmp_path: P
     assert fast.tpot_s.to_list() == pytest.approx((0.5 * base.tpot_s).to_list(), rel=1e-9)
     prefill_s = [r.prefill_end_s - r.prefill_start_s for r in runs]
     assert prefill_s[1].to_list() == pytest.approx(prefill_s[0].to_list(), rel=1e-9)
+
+
+def graph_table(tmp_path: Path, graphs: bool = True) -> Path:
+    """Decode passes of 10 / 11 / 12.5 / 14 ms at batches 1 / 4 / 6 / 8, plus 0.1 us per cached
+    token of the batch, at two contexts each; batch 6 replayed the graph of 8 (graph_batch)."""
+    fixed = {1: 0.010, 4: 0.011, 6: 0.0125, 8: 0.014}
+    graph = {1: 1, 4: 4, 6: 8, 8: 8}
+    rows = ["prefill,512,1,0,0.001,0,0"]
+    rows += [
+        f"decode,{b},{b},{c},{a + b * c * 1e-7},0,{graph[b]}"
+        for b, a in fixed.items()
+        for c in (1000, 3000)
+    ]
+    path = tmp_path / "graphs.csv"
+    lines = ["kind,tokens,batch,context,duration_s,host_s,graph_batch", *rows]
+    if not graphs:
+        lines = [line.rsplit(",", 1)[0] for line in lines]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_decode_pass_in_a_cuda_graph_costs_its_graphs_line(tmp_path: Path) -> None:
+    """5 decodes of 5,000 cached tokens in all: in a server that replays graphs, the line of
+    the graph of 8 (the smallest row that filled its graph at or above 5; batch 6 replayed 8's
+    and is not one): 14 + 0.5 ms; in one that does not, or with a table that does not say
+    which graph a row replayed, interpolated between 4 and 6: 11 + 1/2 x 1.5 + 0.5 ms. A mixed
+    pass runs eagerly and interpolates. Above the largest graph a pass is itself."""
+    five = StepShape(decode_seqs=5, decode_context=5000)
+    padded = ProfileCost(graph_table(tmp_path), graphs=True)
+    assert [padded.graph_batch(b) for b in (1, 2, 4, 5, 7, 8, 9)] == [1, 4, 4, 8, 8, 8, 9]
+    assert padded.step_time(five) == pytest.approx(0.0145)
+    assert padded.decode_line(5) == pytest.approx((0.014, 1e-7))
+    eager = 0.01175 + 0.0005
+    assert ProfileCost(graph_table(tmp_path)).step_time(five) == pytest.approx(eager)
+    no_column = ProfileCost(graph_table(tmp_path, graphs=False), graphs=True)
+    assert no_column.step_time(five) == pytest.approx(eager)
+    mixed = StepShape(512, 512 * 513 / 2, decode_seqs=5, decode_context=5000)
+    assert padded.step_time(mixed) == pytest.approx(0.001 + eager)
+    # a hw server replays decode graphs on one GPU a rank, and never on a prefill server
+    one = {"nodes": 1, "tp": 1}
+    cluster = {"mode": "disagg", "prefill": one, "decode": one}
+    cost = {"source": f"profile:{graph_table(tmp_path)}"}
+    exp = build_experiment({"model": {"name": "tiny-gqa"}, "cluster": cluster, "cost": cost})
+    tp2 = exp.cluster.decode.model_copy(update={"tp": 2})
+    models = [
+        make_cost_model(exp, exp.cluster.decode, "decode"),
+        make_cost_model(exp, exp.cluster.decode, "colocated"),
+        make_cost_model(exp, exp.cluster.prefill, "prefill"),
+        make_cost_model(exp, tp2, "decode"),
+    ]
+    assert [cast(ProfileCost, m).graph_batch(5) for m in models] == [8, 8, 5, 5]

@@ -476,13 +476,16 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
 
     arrivals = generate(disagg.workload, disagg.seed)
     prompts = [a.prompt_tokens for a in arrivals]
-    longest = max(a.prompt_tokens + a.output_tokens for a in arrivals)
     grid = profile_grid([disagg, coloc], 3)
     assert grid.prefill_tokens == log_grid(min(prompts), min(64, max(prompts)), 3)
     last = 64 * ((max(prompts) - 1) // 64)  # the longest prompt's last chunk, after its others
     assert grid.prefill_context == ((0, last) if last else (0,))
     assert grid.decode_batch == (1, 2, 4)  # at most the 4 requests
-    assert grid.decode_context == (min(prompts), longest)
+    assert grid.decode_context == (min(prompts),)
+    # while it decodes a request passes through its prompt plus 0, 1/4, 1/2, 3/4 of its output
+    both = [*arrivals, *generate(coloc.workload, coloc.seed)]
+    quarters = [a.prompt_tokens + a.output_tokens * q // 4 for a in both for q in range(4)]
+    assert grid.decode_mix == tuple(sorted(quarters))
     assert grid.mixed == tuple(
         (n, b, min(prompts)) for n in grid.prefill_tokens for b in log_grid(1, 4, 3)
     )

@@ -2,12 +2,19 @@
 
 `profile` times prefill steps over (new tokens x cached tokens) for one sequence, and decode
 steps over (batch x cached tokens per sequence), each the median (or `reduce`) of `repeats`
-runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the
+runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). With `decode_mix` it
+also times, per batch, a decode step whose sequences' contexts spread as a server's do: drawn
+from `decode_mix` (`mix_contexts`), its context column their mean. A server's batch mixes
+long and short sequences, and on one H200 such a batch of 25-64 Llama-3.1-8B sequences took
+4-6% longer than one whose sequences all had their mean context, which a line through uniform
+batches does not see (`benchmarks/decode_shape.py`). Durations are for the
 model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt chunk of
 `tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
 Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
-prefilling sequence), duration_s, host_s.
+prefilling sequence; a decode row's mean), duration_s, host_s, graph_batch (the batch of the
+CUDA graph a decode row replayed, its other rows padding; 0: it ran eagerly, as prefill and
+mixed rows always do).
 
 Each step runs as a serving loop runs it, one at a time: `Runner.step(..., sample=True)` and
 its final sync, timed by wall clock. duration_s is its device time as a server records it
@@ -19,6 +26,7 @@ CPU the step is host work throughout: duration_s is its wall time and host_s is 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +39,29 @@ from disagg.core.kvcache import Layout, pages_for
 from disagg.hw.batch import Seq
 from disagg.hw.device import release, resolve_device
 from disagg.hw.model import Transformer
-from disagg.hw.runner import Runner
+from disagg.hw.runner import Runner, graph_batch_for
 from disagg.models import ModelSpec
 
-COLUMNS = ["kind", "tokens", "batch", "context", "duration_s", "host_s"]
+COLUMNS = ["kind", "tokens", "batch", "context", "duration_s", "host_s", "graph_batch"]
+
+
+def mix_contexts(pool: Sequence[int], batch: int, seed: int = 0) -> tuple[int, ...]:
+    """`batch` contexts that spread as `pool` does: its quantiles at (i + 1/2) / batch, in an
+    order shuffled by `seed` and the batch (a server's batch is not sorted by length)."""
+    ranked = sorted(pool)
+    picks = [ranked[int((i + 0.5) * len(ranked) / batch)] for i in range(batch)]
+    random.Random(seed * 1_000_003 + batch).shuffle(picks)
+    return tuple(picks)
+
+
+def _decodes(contexts: Sequence[int], page_size: int, vocab: int) -> list[Seq]:
+    """One new token after each of `contexts`, the sequences on consecutive page ranges."""
+    seqs, start = [], 0
+    for i, c in enumerate(contexts):
+        pages = pages_for(c + 1, page_size)
+        seqs.append(Seq(((7919 * i) % vocab,), c, tuple(range(start, start + pages))))
+        start += pages
+    return seqs
 
 
 def _seqs(batch: int, new: int, context: int, page_size: int, vocab: int) -> list[Seq]:
@@ -96,6 +123,7 @@ def profile(
     reduce: Callable[[list[float]], float] = statistics.median,
     mixed: Sequence[tuple[int, int, int]] = (),
     fused_ops: bool = True,
+    decode_mix: Sequence[int] = (),
 ) -> pd.DataFrame:
     """Step durations and host times over the grids, each `reduce` (default: the median) of
     its `repeats` times (see the module doc for the columns). `min` suits a shared CPU, where
@@ -104,26 +132,31 @@ def profile(
     dev = resolve_device(device)
     model = Transformer(spec.with_layers(layers), seed=seed, device=dev, fused_ops=fused_ops)
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
-    decode = [(b, c) for b in decode_batch for c in decode_context]
+    decode = [(c,) * b for b in decode_batch for c in decode_context]
+    decode += [mix_contexts(decode_mix, b, seed) for b in decode_batch if decode_mix]
     need = [pages_for(n + c, page_size) for n, c in prefill]
-    need += [b * pages_for(c + 1, page_size) for b, c in decode]
+    need += [sum(pages_for(c + 1, page_size) for c in ctx) for ctx in decode]
     need += [pages_for(n, page_size) + b * pages_for(c + 1, page_size) for n, b, c in mixed]
     cache = model.new_cache(max(need, default=1), page_size, layout)
     runner = Runner(model, cache, attention=attention)
     rows = []
-    for kind, grid, new in (("prefill", prefill, None), ("decode", decode, 1)):
-        for a, c in grid:
-            batch, tokens = (1, a) if new is None else (a, 1)
-            seqs = _seqs(batch, tokens, c, page_size, spec.vocab)
-            device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
-            rows.append((kind, tokens * batch, batch, c, device_s, host_s))
+    for n, c in prefill:
+        seqs = _seqs(1, n, c, page_size, spec.vocab)
+        device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
+        rows.append(("prefill", n, 1, c, device_s, host_s, 0))
+    for ctx in decode:  # context: the sequences' mean (rounded), which the cost model reads
+        seqs = _decodes(ctx, page_size, spec.vocab)
+        device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
+        graph = 0 if runner.graph_error else graph_batch_for(runner.graph_batches, len(ctx)) or 0
+        mean = round(sum(ctx) / len(ctx))
+        rows.append(("decode", len(ctx), len(ctx), mean, device_s, host_s, graph))
     for n, b, c in mixed:  # the chunk's pages after the decodes'
-        decodes = _seqs(b, 1, c, page_size, spec.vocab)
+        decodes = _decodes((c,) * b, page_size, spec.vocab)
         after = b * pages_for(c + 1, page_size)
         (chunk,) = _seqs(1, n, 0, page_size, spec.vocab)
         chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
         device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
-        rows.append(("mixed", n, b, c, device_s, host_s))
+        rows.append(("mixed", n, b, c, device_s, host_s, 0))
     del runner, cache, model
     release(dev)  # what the caller runs next (validate: its servers) gets the memory
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -30,6 +30,7 @@ which lets a decode node run many identical steps as one event.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -267,7 +268,13 @@ class ProfileCost:
     profile's, its large ones shorter). `decode_scale` (default 1) multiplies the device time
     of every pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than
     a colocated server's, which the profile matches, on one H200 (`disagg validate` measures
-    it).
+    it). With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
+    does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
+    the smallest batch at or above b whose row filled its graph (the optional column
+    graph_batch, which `disagg hw profile` writes; none in a table without it). On one H200 a
+    Llama-3.1-8B pass of 25 sequences (contexts spread over 294-4,295 tokens) took 8.08 ms;
+    the line of batch 32 says 8.00, one between batches 16 and 32 said 7.77
+    (`benchmarks/decode_shape.py`). Mixed passes run eagerly and interpolate.
     """
 
     def __init__(
@@ -278,6 +285,7 @@ class ProfileCost:
         run_host: tuple[float, float, float] | None = None,
         chunk_offsets: Sequence[tuple[float, float]] = (),
         decode_scale: float = 1.0,
+        graphs: bool = False,
     ) -> None:
         import pandas as pd
 
@@ -356,6 +364,14 @@ class ProfileCost:
         if not 0 < decode_scale < np.inf:
             raise ConfigError(f"decode_scale {decode_scale!r}: give a factor > 0")
         self.decode_scale = decode_scale
+        filled = df[(df.kind == "decode") & (df.get("graph_batch", 0) == df.batch)]
+        self._graph_batches = sorted({int(b) for b in filled.batch}) if graphs else []
+
+    def graph_batch(self, seqs: int) -> int:
+        """The batch whose line a decode-only pass of `seqs` sequences costs (see the class
+        doc): `seqs` itself without `graphs` or above the largest graph the table has."""
+        i = bisect.bisect_left(self._graph_batches, seqs)
+        return self._graph_batches[i] if i < len(self._graph_batches) else seqs
 
     def chunk_offset(self, tokens: int) -> float:
         """The serving runs' device time beyond the table's for a pass with a `tokens`-token
@@ -379,7 +395,7 @@ class ProfileCost:
     def decode_line(self, seqs: int) -> tuple[float, float]:
         """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
         (its host time and `pass_overhead_s` are in a)."""
-        a, b = self._device_line(seqs)
+        a, b = self._device_line(self.graph_batch(seqs))
         k = self.decode_scale
         return k * a + self.host_s(False, seqs), k * b
 
@@ -434,7 +450,8 @@ class ProfileCost:
         )
         if not (n or d):
             return 0.0  # no pass
-        t = self.decode_scale * self._decode_time(d, s.decode_context) if d else 0.0
+        line = d if n else self.graph_batch(d)  # a mixed pass runs eagerly
+        t = self.decode_scale * self._decode_time(line, s.decode_context) if d else 0.0
         if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
             offset = self.chunk_offset(n) + (self.mixed_offset(d, n) if d else 0.0)
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
@@ -459,7 +476,8 @@ CostModel = RooflineCost | ProfileCost
 
 def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> CostModel:
     """The experiment's cost model for one node group (roofline or a measured profile) of
-    `role` ("decode": a disaggregated decode node's, with `cost.profile_decode_scale`)."""
+    `role` ("decode": a disaggregated decode node's, with `cost.profile_decode_scale`; any but
+    "prefill" on one GPU a rank: its decode passes in CUDA graphs, as a hw server's)."""
     qo = 1 + exp.spec.draft_tokens
     if exp.cost.source.startswith("profile:"):
         path = Path(exp.cost.source.removeprefix("profile:"))
@@ -471,8 +489,9 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             else (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
         )
         scale = c.profile_decode_scale if role == "decode" else 1.0
+        graphs = role != "prefill" and group.tp == 1  # as a hw server replays decode passes
         return ProfileCost(
-            path, qo, c.profile_pass_overhead_s, run_host, c.profile_chunk_offsets, scale
+            path, qo, c.profile_pass_overhead_s, run_host, c.profile_chunk_offsets, scale, graphs
         )
     return RooflineCost(
         exp.model.spec,
