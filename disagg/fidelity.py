@@ -304,16 +304,71 @@ def widest_gaps(repeats: pd.DataFrame) -> str:
     return ", ".join(f"{LABELS.get(str(m), str(m))} {float(g):.3f}" for m, g in widest.items())
 
 
+OWN_HOST_COLUMNS = ["run", "metric", "own_host", "calibrated"]
+
+
+def own_host_table(table: pd.DataFrame, own: pd.DataFrame) -> pd.DataFrame:
+    """The profile replay's sim/hw of each run in `own` (a fidelity table of the same runs,
+    replayed with the host time per pass fitted on each run itself) beside the calibrated
+    replay's in `table`, by metric."""
+    calibrated = ratios(table).set_index(["run", "metric"]).sim_profile
+    o = ratios(own)
+    rows = [
+        (run, metric, x, float(calibrated.get((run, metric), math.nan)))
+        for run, metric, x in zip(o.run, o.metric, o.sim_profile, strict=True)
+    ]
+    return pd.DataFrame(rows, columns=OWN_HOST_COLUMNS)
+
+
+def own_host_markdown(own: pd.DataFrame, tolerances: Mapping[str, float]) -> str:
+    """fidelity.md's section on the replays with each run's own host time (`own_host_table`),
+    and how many cells meet their tolerance each way."""
+    metrics = list(dict.fromkeys(own.metric))
+    lines = [
+        "## With each run's own host time",
+        "",
+        "Each cell is sim/hw on the profile with the serving loop's host time per pass fitted "
+        "on that run itself (in sample) / fitted on the calibration runs (the replay judged "
+        "above). A server's host time per pass moves from one process to the next, and no "
+        "calibration run can say by how much: a cell met here and missed above missed on the "
+        "host time, not on the device's.",
+        "",
+        "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for run, g in own.groupby("run", sort=False):
+        by = g.set_index("metric")
+        cells = [f"{_cell(by.own_host[m])} / {_cell(by.calibrated[m])}" for m in metrics]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    judged = own[own.metric.isin(list(tolerances))]
+    if len(judged):
+        met = [
+            sum(
+                Verdict(r, m, x, tolerances[m]).met
+                for r, m, x in zip(judged.run, judged.metric, col, strict=True)
+            )
+            for col in (judged.own_host, judged.calibrated)
+        ]
+        lines += [
+            "",
+            f"Within the tolerances: {met[0]} of {len(judged)} cells with each run's own host "
+            f"time, {met[1]} calibrated.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def write_report(
     table: pd.DataFrame,
     tolerances: Mapping[str, float],
     out: Path,
     repeats: pd.DataFrame | None = None,
     spread: pd.DataFrame | None = None,
+    own_host: pd.DataFrame | None = None,
 ) -> list[Verdict]:
     """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
-    are any, also as out/repeat.csv, and `spread` (`spread_table`) where there is any, also as
-    out/hw_spread.csv; return the verdicts (judge)."""
+    are any, also as out/repeat.csv, `spread` (`spread_table`) where there is any, also as
+    out/hw_spread.csv, and `own_host` (`own_host_table`) where there is any, also as
+    out/own_host.csv; return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
@@ -326,6 +381,10 @@ def write_report(
     if spread is not None and len(spread):
         spread.to_csv(out / "hw_spread.csv", index=False)
         text += "\n" + spread_markdown(spread)
+    (out / "own_host.csv").unlink(missing_ok=True)
+    if own_host is not None and len(own_host):
+        own_host.to_csv(out / "own_host.csv", index=False)
+        text += "\n" + own_host_markdown(own_host, tolerances)
     (out / "fidelity.md").write_text(text)
     return verdicts
 

@@ -16,9 +16,10 @@ Stages, each announced through `say`:
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
    (`cost.source=profile:FILE`) and once with the roofline; and, on the profile, each
    calibration run at a validation run's mode and load (`calibration_twins`), for how far a
-   cell moves on another workload;
-4. write fidelity.csv / fidelity.md / repeat.csv / hw_spread.csv (cells run more than once)
-   and the plots (disagg.fidelity) under `out`.
+   cell moves on another workload; and, on a GPU, each run again with the host time per pass
+   fitted on itself (`own_host`), for how much of a cell's error is the host time's;
+4. write fidelity.csv / fidelity.md / repeat.csv / hw_spread.csv (cells run more than once) /
+   own_host.csv and the plots (disagg.fidelity) under `out`.
 
 On the CPU the hw runs record the CPU as their hardware (a custom GPU of the matmul rate and
 copy bandwidth measured here) and the tcp wire as a nominal loopback NIC, so the roofline
@@ -51,6 +52,7 @@ from disagg.fidelity import (
     Verdict,
     fidelity_table,
     median_summary,
+    own_host_table,
     plot_cdfs,
     plot_ratios,
     ratio,
@@ -302,6 +304,17 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     costs["profile_host_chunk_s"] = max(0.0, float(chunk.median())) if len(chunk) else fixed
     costs["profile_host_per_seq_s"] = float(per_seq)
     return costs
+
+
+HOST_KEYS = ("profile_host_s", "profile_host_chunk_s", "profile_host_per_seq_s")
+
+
+def own_host(runs: Sequence[Path]) -> dict[str, Any]:
+    """The host time per pass fitted on hw `runs` of one cell themselves (`loop_costs`' host
+    fields), for a replay that tells the host time's part of a cell's error from the rest;
+    empty where the passes have no device times (the CPU)."""
+    costs = loop_costs([pd.read_parquet(run / "steps.parquet") for run in runs])
+    return {k: v for k, v in costs.items() if k in HOST_KEYS}
 
 
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
@@ -805,7 +818,17 @@ def replay_all(
     spread = spread_table({label: runs for label, runs in ran.items() if len(runs) > 1})
     if len(spread):
         say(f"the same run again: hw moves by up to {widest_spreads(spread)}")
-    report = Report(table, write_report(table, tolerances, out, repeats, spread))
+    own: dict[str, dict[str, dict[str, Any]]] = {}
+    for label in labels:
+        host = own_host(hw_dirs(out, label))
+        if host:
+            say(f"replay: {label} with its own host time (profile)")
+            on_own = [*sim_overrides, *profiled(csv, costs | host)]
+            summary, _ = replay(hw / label, on_own, out / "sim-own-host" / label)
+            own[label] = {"hw": summaries[label]["hw"], "sim_profile": summary}
+    own_table = own_host_table(table, fidelity_table(own)) if own else None
+    verdicts = write_report(table, tolerances, out, repeats, spread, own_table)
+    report = Report(table, verdicts)
     pass_report(
         {
             label: pass_table(
@@ -822,6 +845,7 @@ def replay_all(
         out / "passes.csv",
         out / "passes.md",
         *([out / "hw_spread.csv"] if len(spread) else []),
+        *([out / "own_host.csv"] if own else []),
     ]
     report.files.append(plot_ratios(table, out / "fidelity_ratios.png"))
     report.files.append(plot_cdfs(requests, out / "fidelity_cdfs.png"))

@@ -16,6 +16,7 @@ from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import (
     COLUMNS,
+    OWN_HOST_COLUMNS,
     REPEAT_COLUMNS,
     SPREAD_COLUMNS,
     fidelity_table,
@@ -23,6 +24,8 @@ from disagg.fidelity import (
     markdown,
     median_summary,
     near_range,
+    own_host_markdown,
+    own_host_table,
     parse_tolerances,
     repeat_markdown,
     repeat_table,
@@ -34,6 +37,7 @@ from disagg.validate import (
     PASS_COLUMNS,
     chunk_offsets,
     loop_costs,
+    own_host,
     pass_gaps,
     pass_table,
     start_parts,
@@ -182,6 +186,24 @@ def test_a_calibration_runs_ratios_stand_beside_its_validation_runs_with_the_gap
         "| a | 0.52 / 1.04 | 0.75 / 0.75 | 1 / 0.97 | 1.05 / 1.05 | 1 / 1 | 0.99 / 0.99 |" in text
     )
     assert "Largest gap: TTFT p50 0.520, TTFT p90 0.000, TPOT p50 0.030," in text
+
+
+def test_each_runs_own_host_time_replay_stands_beside_the_calibrated_one() -> None:
+    """Replayed with its own host time, run "a" is exact (1 everywhere) and "b" too where it
+    has a ratio (its hw TPOT p50 is 0). Judged on TPOT p50 (3%) and TTFT p90 (5%): with their
+    own host time a's two and b's TTFT p90 meet, calibrated only a's TPOT p50 (0.97: 3%)."""
+    own = {run: {"hw": HW, "sim_profile": HW} for run in ("a", "b")}
+    own["b"]["hw"] = HW | {"tpot_s_p50": 0.0}
+    got = own_host_table(fidelity_table(runs()), fidelity_table(own))
+    assert list(got.columns) == OWN_HOST_COLUMNS and len(got) == 2 * len(HW)
+    by = got.set_index(["run", "metric"])
+    assert by.loc[("a", "tpot_s_p50")].tolist() == pytest.approx([1.0, 0.97])
+    assert by.loc[("a", "ttft_s_p90")].tolist() == pytest.approx([1.0, 0.75])
+    assert by.loc[("b", "tpot_s_p50")].isna().all()
+    text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0})
+    assert "| a | 1 / 1.04 | 1 / 0.75 | 1 / 0.97 | 1 / 1.05 | 1 / 1 | 1 / 0.99 |" in text
+    said = "Within the tolerances: 3 of 4 cells with each run's own host time, 1 calibrated."
+    assert said in text
 
 
 def test_a_cell_run_more_than_once_is_judged_on_its_median_and_its_spread_is_told() -> None:
@@ -361,9 +383,10 @@ def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     assert sorted(pass_gaps(steps)) == [0.125, 0.25, 1.25]
 
 
-def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
+def test_loop_costs_fit_host_time_per_pass_by_hand(tmp_path: Path) -> None:
     """Decode passes: host 1 ms + 0.1 ms per sequence; chunk passes: 3 ms + 0.1 per sequence;
-    gaps between passes 0.5 ms (one of 2 ms)."""
+    gaps between passes 0.5 ms (one of 2 ms). `own_host` fits the same on runs' directories,
+    the host fields only, and nothing where passes have no device times (the CPU)."""
     batch = [1, 2, 4, 8, 3]
     prefill = [0, 0, 0, 0, 500]
     host = [
@@ -397,6 +420,14 @@ def test_loop_costs_fit_host_time_per_pass_by_hand() -> None:
     assert loop_costs([steps.assign(device_s=math.nan)]) == {
         "profile_pass_overhead_s": pytest.approx(5e-4)
     }
+    dirs = [tmp_path / "run", tmp_path / "run-2", tmp_path / "cpu"]
+    tables = [steps.iloc[:3], second, steps.assign(device_s=math.nan)]
+    for where, table in zip(dirs, tables, strict=True):
+        where.mkdir()
+        table.to_parquet(where / "steps.parquet")
+    host = {k: v for k, v in costs.items() if k != "profile_pass_overhead_s"}
+    assert own_host(dirs[:2]) == host
+    assert own_host(dirs[2:]) == {}
 
 
 def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay() -> None:
