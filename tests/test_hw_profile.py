@@ -42,9 +42,12 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
     ]
     assert (df.graph_batch == 0).all()  # no CUDA graphs on the CPU
     prefill, decode, mixed = (df[df.kind == k] for k in ("prefill", "decode", "mixed"))
+    # each mixed pass at 8 tokens a decode, then at the mix (mean 16.75)
     assert sorted(zip(mixed.tokens, mixed.batch, mixed.context, strict=True)) == [
         (8, 4, 8),
+        (8, 4, 17),
         (32, 4, 8),
+        (32, 4, 17),
     ]
     assert sorted(zip(prefill.tokens, prefill.context, strict=True)) == [
         (8, 0),

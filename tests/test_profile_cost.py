@@ -318,3 +318,25 @@ def test_a_decode_pass_in_a_cuda_graph_costs_its_graphs_line(tmp_path: Path) -> 
         make_cost_model(exp, tp2, "decode"),
     ]
     assert [cast(ProfileCost, m).graph_batch(5) for m in models] == [8, 8, 5, 5]
+
+
+def test_a_mixed_pass_measured_at_two_contexts_grows_with_its_decodes_context(
+    tmp_path: Path,
+) -> None:
+    """A 1024-token chunk beside 8 decodes ran 4 ms under its two parts at 2,000 tokens a
+    decode (16,000 in all) and 0.8 ms under at 4,000 (32,000): 0.2 us more per token of the
+    decodes' context. So the offset at no context is -4 - 3.2 = -7.2 ms, and the same pass at
+    3,000 tokens a decode costs 2 (chunk) + 12.4 (decodes) - 7.2 + 4.8 = 12.0 ms. Measured at
+    one context, the slope is 0 and the offset as measured (-4 ms)."""
+    rows = [f"prefill,{n},1,0,{t},0" for n, t, _ in PREFILL]
+    rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},0" for b, c, _ in DECODE]
+    rows += ["mixed,1024,8,2000,0.0096,0", "mixed,1024,8,4000,0.0144,0"]
+    path = tmp_path / "two.csv"
+    path.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    c = ProfileCost(path)
+    assert c.mixed_context_s == pytest.approx(2e-7)
+    assert c.mixed_offset(8, 1024) == pytest.approx(-0.0072)
+    three = StepShape(1024, 1024 * 1025 / 2, decode_seqs=8, decode_context=24000)
+    assert c.step_time(three) == pytest.approx(0.012)
+    one = ProfileCost(table(tmp_path))
+    assert one.mixed_context_s == 0.0 and one.mixed_offset(8, 1024) == pytest.approx(-0.004)

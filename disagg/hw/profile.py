@@ -2,14 +2,16 @@
 
 `profile` times prefill steps over (new tokens x cached tokens) for one sequence, and decode
 steps over (batch x cached tokens per sequence), each the median (or `reduce`) of `repeats`
-runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). With `decode_mix` it
-also times, per batch, a decode step whose sequences' contexts spread as a server's do: drawn
-from `decode_mix` (`mix_contexts`), its context column their mean. A server's batch mixes
-long and short sequences, and on one H200 such a batch of 25-64 Llama-3.1-8B sequences took
-4-6% longer than one whose sequences all had their mean context, which a line through uniform
-batches does not see (`benchmarks/decode_shape.py`). Durations are for the
+runs after `warmup` runs (CUDA events on a GPU, wall clock on the CPU). Durations are for the
 model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt chunk of
 `tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
+With `decode_mix` it also times each decode batch, and each mixed pass, with decodes whose
+contexts spread as a server's do: drawn from `decode_mix` (`mix_contexts`), the context
+column their mean. A server's batch mixes long and short sequences, and on one H200 such a
+batch of 25-64 Llama-3.1-8B sequences took 4-6% longer than one whose sequences all had their
+mean context, which a line through uniform batches does not see (`benchmarks/decode_shape.py`);
+and a mixed pass reads its decodes' context in the prefill kernel, more slowly than a decode
+pass does, which mixed passes at one short context do not show.
 Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
 prefilling sequence; a decode row's mean), duration_s, host_s, graph_batch (the batch of the
@@ -134,9 +136,15 @@ def profile(
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
     decode = [(c,) * b for b in decode_batch for c in decode_context]
     decode += [mix_contexts(decode_mix, b, seed) for b in decode_batch if decode_mix]
+    beside = [(n, (c,) * b) for n, b, c in mixed]  # a chunk and its decodes' contexts
+    beside += [(n, mix_contexts(decode_mix, b, seed)) for n, b, _ in mixed if decode_mix]
+
+    def pages(ctx: Sequence[int]) -> int:  # decodes of these contexts, a new token each
+        return sum(pages_for(c + 1, page_size) for c in ctx)
+
     need = [pages_for(n + c, page_size) for n, c in prefill]
-    need += [sum(pages_for(c + 1, page_size) for c in ctx) for ctx in decode]
-    need += [pages_for(n, page_size) + b * pages_for(c + 1, page_size) for n, b, c in mixed]
+    need += [pages(ctx) for ctx in decode]
+    need += [pages_for(n, page_size) + pages(ctx) for n, ctx in beside]
     cache = model.new_cache(max(need, default=1), page_size, layout)
     runner = Runner(model, cache, attention=attention)
     rows = []
@@ -148,18 +156,22 @@ def profile(
         seqs = _decodes(ctx, page_size, spec.vocab)
         device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
         graph = 0 if runner.graph_error else graph_batch_for(runner.graph_batches, len(ctx)) or 0
-        mean = round(sum(ctx) / len(ctx))
-        rows.append(("decode", len(ctx), len(ctx), mean, device_s, host_s, graph))
-    for n, b, c in mixed:  # the chunk's pages after the decodes'
-        decodes = _decodes((c,) * b, page_size, spec.vocab)
-        after = b * pages_for(c + 1, page_size)
+        rows.append(("decode", len(ctx), len(ctx), _mean(ctx), device_s, host_s, graph))
+    for n, ctx in beside:  # the chunk's pages after the decodes'
+        decodes = _decodes(ctx, page_size, spec.vocab)
+        after = pages(ctx)
         (chunk,) = _seqs(1, n, 0, page_size, spec.vocab)
         chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
         device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
-        rows.append(("mixed", n, b, c, device_s, host_s, 0))
+        rows.append(("mixed", n, len(ctx), _mean(ctx), device_s, host_s, 0))
     del runner, cache, model
     release(dev)  # what the caller runs next (validate: its servers) gets the memory
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _mean(contexts: Sequence[int]) -> int:
+    """A row's context column: its sequences' mean context, rounded (0 for none)."""
+    return round(sum(contexts) / len(contexts)) if contexts else 0
 
 
 def write_csv(df: pd.DataFrame, path: str | Path) -> Path:

@@ -246,7 +246,13 @@ class ProfileCost:
     and decode parts plus an offset: what the measured mixed passes took beyond their two parts
     (negative: the fixed costs they share), the median at each (decodes, chunk) measured,
     interpolated linearly over the chunk and then over the decodes and held beyond them
-    (`mixed_offset`; `mixed_offset_s` is the median of all), 0 without mixed rows. The table
+    (`mixed_offset`; `mixed_offset_s` is the median of all), 0 without mixed rows. Where a
+    (decodes, chunk) was measured at more than one decode context, the offset also grows with
+    the decodes' context in all, at `mixed_context_s` per token (the median of those shapes'
+    slopes; the offsets are then taken at no context): a mixed pass's attention runs its
+    decodes in the prefill kernel, which reads their context more slowly than the decode
+    kernel (on one H200, Llama-3.1-8B's mixed passes ran 0.53-0.79 ms per 10,000 such tokens
+    longer than the decode line said, in the colocated runs of four validates). The table
     must come from the same model and depth as the experiment.
 
     The curves above are device time. A pass also costs the host time the serving loop spends
@@ -315,19 +321,29 @@ class ProfileCost:
         self.passes = 0  # passes costed
         self.extrapolated = 0  # of which beyond the grid on some axis
         mixed = df[df.kind == "mixed"]
-        beyond_parts = [
-            float(t) - self._prefill_time(int(n), 0.0) - self._decode_time(int(b), b * float(c))
-            for n, b, c, t in zip(
-                mixed.tokens, mixed.batch, mixed.context, mixed.duration_s, strict=True
-            )
-        ]
-        self.mixed_offset_s = float(np.median(beyond_parts)) if beyond_parts else 0.0
-        # per measured decode batch: its chunks' tokens and offsets (median of repeats)
-        offsets = (
-            pd.Series(beyond_parts, index=pd.MultiIndex.from_arrays([mixed.batch, mixed.tokens]))
-            .groupby(level=[0, 1])
-            .median()
+        cached = (mixed.batch * mixed.context).to_numpy(float)  # the decodes' context in all
+        parts = zip(mixed.tokens, mixed.batch, cached, mixed.duration_s, strict=True)
+        beyond = pd.Series(
+            [
+                float(t) - self._prefill_time(int(n), 0.0) - self._decode_time(int(b), k)
+                for n, b, k, t in parts
+            ],
+            index=pd.MultiIndex.from_arrays([mixed.batch, mixed.tokens]),
+            dtype=float,
         )
+        # per (decodes, chunk) measured at two contexts or more: how the part beyond grows
+        # with the decodes' context (a mixed pass's attention runs them in the prefill kernel)
+        by_shape = pd.DataFrame({"k": cached, "beyond": beyond.to_numpy()}, index=beyond.index)
+        slopes = [
+            float(np.polyfit(g.k, g.beyond, 1)[0])
+            for _, g in by_shape.groupby(level=[0, 1])
+            if g.k.nunique() > 1
+        ]
+        self.mixed_context_s = float(np.median(slopes)) if slopes else 0.0
+        beyond -= self.mixed_context_s * cached  # each offset at no context
+        self.mixed_offset_s = float(beyond.median()) if len(beyond) else 0.0
+        # per measured decode batch: its chunks' tokens and offsets (median of repeats)
+        offsets = beyond.groupby(level=[0, 1]).median()
         batches = sorted({b for b, _ in offsets.index})
         self._offset_batches = np.array(batches, float)
         self._offset_rows = [
@@ -453,7 +469,9 @@ class ProfileCost:
         line = d if n else self.graph_batch(d)  # a mixed pass runs eagerly
         t = self.decode_scale * self._decode_time(line, s.decode_context) if d else 0.0
         if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
-            offset = self.chunk_offset(n) + (self.mixed_offset(d, n) if d else 0.0)
+            offset = self.chunk_offset(n)
+            if d:
+                offset += self.mixed_offset(d, n) + self.mixed_context_s * s.decode_context
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
         return t + self.host_s(n > 0, d)
 
