@@ -471,17 +471,31 @@ def measure_loop(
     for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
         seed = coloc.seed + CALIBRATION_SEED + i
         run_hw(coloc.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
-    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
-    costs = loop_costs(runs)
-    if any("device_s" in steps and steps.device_s.notna().any() for steps in runs):
-        for where in dirs:
-            replay(where, [*sim_overrides, *profiled(profile_csv, costs)], where / "replay")
-        replayed = [pd.read_parquet(where / "replay" / "steps.parquet") for where in dirs]
-        offsets = chunk_offsets(pd.concat(runs), pd.concat(replayed))
-        if offsets:
-            costs["profile_chunk_offsets"] = offsets
+    costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in dirs])
+    costs = fit_chunk_offsets(dirs, profile_csv, costs, sim_overrides)
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
+
+
+def fit_chunk_offsets(
+    dirs: Sequence[Path],
+    profile_csv: Path,
+    costs: dict[str, Any],
+    sim_overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`costs` with `profile_chunk_offsets` fitted on the serving runs in `dirs`, replayed on
+    the profile with the rest of `costs` (`DIR/replay`); as given, less any offsets, where the
+    runs have no device times (the CPU) or too few chunk passes. The offsets are what the
+    simulator leaves out of a chunk pass, so `disagg validate --replay` fits them again."""
+    costs = {k: v for k, v in costs.items() if k != "profile_chunk_offsets"}
+    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
+    if not any("device_s" in steps and steps.device_s.notna().any() for steps in runs):
+        return costs
+    for where in dirs:
+        replay(where, [*sim_overrides, *profiled(profile_csv, costs)], where / "replay")
+    replayed = [pd.read_parquet(where / "replay" / "steps.parquet") for where in dirs]
+    offsets = chunk_offsets(pd.concat(runs), pd.concat(replayed))
+    return costs | ({"profile_chunk_offsets": offsets} if offsets else {})
 
 
 def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
@@ -771,7 +785,8 @@ def replay_all(
     say: Callable[[str], None] = print,
 ) -> Report:
     """Stages 3 and 4 over a validate directory's hw runs (`out/hw`, in `runs.json`'s order),
-    its profile and its loop calibration: `disagg validate --replay` redoes them after a change
+    its profile and its loop calibration, whose chunk offsets (what the simulator leaves out
+    of a chunk pass) are fitted again: `disagg validate --replay` redoes them after a change
     to the simulator, without the device."""
     hw = out / "hw"
     order = out / "runs.json"
@@ -783,6 +798,10 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
+    _, alone = calibration_runs(out / "calibration")
+    if costs and alone:  # the chunk offsets are the simulator's to fit, as it is now
+        costs = fit_chunk_offsets(alone, csv, costs, sim_overrides)
+        say(f"serving loop, chunk offsets fitted again: {described(costs)}")
     costs |= calibration_decode_scale(out / "calibration", say)
     on_profile = profiled(csv, costs)
     fitted = calibration_shares(out / "calibration", on_profile, say)

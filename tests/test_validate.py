@@ -837,3 +837,47 @@ def test_validate_refuses_bad_input_naming_it(args: list[str], said: str, tmp_pa
     res = CliRunner().invoke(app, ["validate", *args, "--out", str(tmp_path / "o")])
     assert res.exit_code == 2, res.output
     assert said in " ".join(res.output.split()), res.output
+
+
+def test_a_replay_fits_the_chunk_offsets_again_on_the_calibration_runs(tmp_path: Path) -> None:
+    """Serving runs whose chunk passes (600 tokens, one request at a time) ran 5 ms longer on
+    the device than the profile says: the offsets fitted on them are +5 ms, whatever offsets
+    the costs carried before; with the runs' own profile they are 0."""
+    from disagg.core.metrics import steps_table
+    from disagg.sim.cluster import Sim
+    from disagg.validate import fit_chunk_offsets
+
+    def profile(name: str, extra_s: float) -> Path:
+        rows = [f"prefill,{n},1,0,{n / 512e3 + extra_s},0" for n in (256, 512, 1024)]
+        rows += [
+            f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},0" for b in (1, 8) for c in (1000, 3000)
+        ]
+        path = tmp_path / name
+        path.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+        return path
+
+    plain, slow = profile("plain.csv", 0.0), profile("slow.csv", 0.005)
+    exp = load_experiment(
+        EXPERIMENTS / "llama8b-h200.toml",
+        [
+            "cluster.colocated.tp=1",
+            f"cost.source=profile:{slow}",
+            "workload.rate_per_s=0.5",
+            "workload.num_requests=3",
+            'workload.prompt_tokens={"dist": "fixed", "value": 600}',
+            'workload.output_tokens={"dist": "fixed", "value": 5}',
+        ],
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    sim = Sim(exp)
+    sim.run()
+    steps_table(sim.rec).to_parquet(run / "steps.parquet")
+    (run / "experiment.json").write_text(exp.model_dump_json())
+    stale = {"profile_pass_overhead_s": 0.0, "profile_chunk_offsets": [[600.0, -0.1]]}
+    fitted = fit_chunk_offsets([run], plain, stale)
+    assert fitted["profile_pass_overhead_s"] == 0.0
+    assert [n for n, _ in fitted["profile_chunk_offsets"]] == [600.0]
+    assert [o for _, o in fitted["profile_chunk_offsets"]] == pytest.approx([0.005])
+    again = fit_chunk_offsets([run], slow, stale)["profile_chunk_offsets"]
+    assert [o for _, o in again] == pytest.approx([0.0], abs=1e-12)
