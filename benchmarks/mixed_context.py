@@ -1,0 +1,79 @@
+"""How a colocated server's passes with a prompt chunk grow with their decodes' context, past
+what the profile cost model says.
+
+    python benchmarks/mixed_context.py VALIDATE_DIR [--profile CSV]
+
+For every pass with a prompt chunk in a validate directory's colocated runs (`hw/colocated-*`
+and the calibration runs), the decodes' context in all is rebuilt from the requests table:
+each request decoding at the pass's start holds its prompt plus one token for every pass
+with decodes since its first token. Against the cost model on the profile (the validate's
+own, or `--profile`) with the calibration's chunk offsets, a least-squares line gives the
+device time the passes took beyond it, per 10,000 tokens of context past the profile's mixed
+rows (the shortest prompt a decode), on the calibration runs and on the validation runs
+apart. Prints one line per group and the medians by context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from disagg.sim.costmodel import ProfileCost
+
+
+def passes(run: Path, cost: ProfileCost) -> pd.DataFrame:
+    """The run's passes with a chunk: tokens, decodes, their context, hw and model device ms."""
+    steps = pd.read_parquet(run / "steps.parquet").sort_values("start_s")
+    reqs = pd.read_parquet(run / "requests.parquet")
+    with_decodes = steps[steps.decode_seqs > 0].start_s.to_numpy()
+    rows = []
+    for p in steps[steps.prefill_tokens > 0].itertuples():
+        t = p.start_s + 1e-4  # a request whose first token came with this pass is not in it
+        on = reqs[(reqs.first_token_s <= t) & (reqs.finish_s > t)]
+        since = np.searchsorted(with_decodes, t) - np.searchsorted(
+            with_decodes, on.first_token_s.to_numpy() - 1e-4
+        )
+        k = float((on.prompt_tokens.to_numpy() + since).sum())
+        n, d = int(p.prefill_tokens), int(p.decode_seqs)
+        model = cost._prefill_time(n, 0.0) + cost.chunk_offset(n)
+        if d:
+            model += cost._decode_time(d, k) + cost.mixed_offset(d, n) + cost.mixed_context_s * k
+        rows.append((run.name, n, d, k, p.device_s * 1e3, model * 1e3))
+    return pd.DataFrame(rows, columns=["run", "tokens", "decodes", "context", "hw_ms", "model_ms"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("validate", type=Path)
+    ap.add_argument("--profile", type=Path, help="default: the validate's profile.csv")
+    args = ap.parse_args()
+    out: Path = args.validate
+    costs = json.loads((out / "calibration" / "calibration.json").read_text())
+    offsets = [tuple(x) for x in costs.get("profile_chunk_offsets", [])]
+    profile = args.profile or out / "profile.csv"
+    cost = ProfileCost(profile, chunk_offsets=offsets)
+    shortest = int(pd.read_csv(profile).query("kind == 'mixed'").context.min())
+    runs = sorted(out.glob("hw/colocated-*")) + sorted(
+        d for d in out.glob("calibration/*rps") if not d.name.startswith("disagg-")
+    )
+    df = pd.concat([passes(run, cost) for run in runs], ignore_index=True)
+    df["beyond_ms"] = df.hw_ms - df.model_ms
+    df["past"] = df.context - df.decodes * shortest
+    for group, g in df.groupby(df.run.str.startswith("colocated-")):
+        x = np.c_[np.ones(len(g)), g.past / 1e4]
+        (icept, slope), *_ = np.linalg.lstsq(x, g.beyond_ms, rcond=None)
+        name = "validation" if group else "calibration"
+        print(
+            f"{name}: {len(g)} passes, beyond the model {icept:+.3f} ms "
+            f"{slope:+.3f} ms per 10,000 tokens of context past {shortest} a decode"
+        )
+    bins = pd.cut(df.context, [-1, 1, 2e4, 5e4, 8e4, 1.2e5, np.inf])
+    print(df.groupby(bins, observed=True)[["hw_ms", "model_ms", "beyond_ms"]].median().round(2))
+
+
+if __name__ == "__main__":
+    main()
