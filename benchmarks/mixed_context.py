@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from disagg.sim.costmodel import ProfileCost
+from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs
 
 
 def passes(run: Path, cost: ProfileCost) -> pd.DataFrame:
@@ -39,9 +39,8 @@ def passes(run: Path, cost: ProfileCost) -> pd.DataFrame:
         )
         k = float((on.prompt_tokens.to_numpy() + since).sum())
         n, d = int(p.prefill_tokens), int(p.decode_seqs)
-        model = cost._prefill_time(n, 0.0) + cost.chunk_offset(n)
-        if d:
-            model += cost._decode_time(d, k) + cost.mixed_offset(d, n) + cost.mixed_context_s * k
+        shape = StepShape(n, chunk_attn_pairs(0, n), decode_seqs=d, decode_context=k)
+        model = cost.step_time(shape) - cost.host_s(True, d)  # the pass's device time
         rows.append((run.name, n, d, k, p.device_s * 1e3, model * 1e3))
     return pd.DataFrame(rows, columns=["run", "tokens", "decodes", "context", "hw_ms", "model_ms"])
 

@@ -276,7 +276,6 @@ def repeat_table(table: pd.DataFrame, calibration: pd.DataFrame) -> pd.DataFrame
 def repeat_markdown(repeats: pd.DataFrame) -> str:
     """fidelity.md's section on the calibration runs (`repeat_table`): their sim/hw beside the
     validation runs', and the largest gap per metric."""
-    metrics = list(dict.fromkeys(repeats.metric))
     lines = [
         "## Same mode and load, another seed",
         "",
@@ -285,17 +284,27 @@ def repeat_markdown(repeats: pd.DataFrame) -> str:
         "the shares, so their cells are in sample. The gap between the two is how far "
         "one run's cell moves from one workload to the next.",
         "",
+        *_pairs(repeats, "calibration", "validation"),
+    ]
+    return "\n".join([*lines, "", f"Largest gap: {widest_gaps(repeats)}."]) + "\n"
+
+
+def _pairs(table: pd.DataFrame, first: str, second: str) -> list[str]:
+    """A markdown table of `table`'s runs by metric, each cell its `first` / `second` ratios
+    ("-" for a metric a run has no row of)."""
+    metrics = list(dict.fromkeys(table.metric))
+    lines = [
         "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
         "|---|" + "---:|" * len(metrics),
     ]
-    for run, g in repeats.groupby("run", sort=False):
+    for run, g in table.groupby("run", sort=False):
         by = g.set_index("metric")
         cells = [
-            f"{_cell(by.calibration[m])} / {_cell(by.validation[m])}" if m in by.index else "-"
+            f"{_cell(by[first][m])} / {_cell(by[second][m])}" if m in by.index else "-"
             for m in metrics
         ]
         lines.append(f"| {run} | " + " | ".join(cells) + " |")
-    return "\n".join([*lines, "", f"Largest gap: {widest_gaps(repeats)}."]) + "\n"
+    return lines
 
 
 def widest_gaps(repeats: pd.DataFrame) -> str:
@@ -323,7 +332,6 @@ def own_host_table(table: pd.DataFrame, own: pd.DataFrame) -> pd.DataFrame:
 def own_host_markdown(own: pd.DataFrame, tolerances: Mapping[str, float]) -> str:
     """fidelity.md's section on the replays with each run's own host time (`own_host_table`),
     and how many cells meet their tolerance each way."""
-    metrics = list(dict.fromkeys(own.metric))
     lines = [
         "## With each run's own host time",
         "",
@@ -333,13 +341,8 @@ def own_host_markdown(own: pd.DataFrame, tolerances: Mapping[str, float]) -> str
         "calibration run can say by how much: a cell met here and missed above missed on the "
         "host time, not on the device's.",
         "",
-        "| run | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
-        "|---|" + "---:|" * len(metrics),
+        *_pairs(own, "own_host", "calibrated"),
     ]
-    for run, g in own.groupby("run", sort=False):
-        by = g.set_index("metric")
-        cells = [f"{_cell(by.own_host[m])} / {_cell(by.calibrated[m])}" for m in metrics]
-        lines.append(f"| {run} | " + " | ".join(cells) + " |")
     judged = own[own.metric.isin(list(tolerances))]
     if len(judged):
         met = [

@@ -5,11 +5,13 @@ Stages, each announced through `say`:
    their workloads reach: prefill chunks x cached context, decode batch x context, mixed
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
-   profile replays add; where the disaggregated servers share one GPU, a run of its own that
-   shows how they share it (`measure_share`): every replay fits both rules of the simulator's
-   shared GPU on it (the decode and prefill shares, and the round robin's switch cost) and
-   gets the one whose replay of that run comes closer to it (`calibration_shares`), and the
-   speed of its decode server's passes that met no prefill pass (`calibration_decode_scale`);
+   profile replays add, with the chunk offsets that every replay fits on those runs'
+   replays (`fit_chunk_offsets`); where the disaggregated servers share one GPU, a run of
+   its own that shows how they share it (`measure_share`): every replay fits both rules of
+   the simulator's shared GPU on it (the decode and prefill shares, and the round robin's
+   switch cost) and gets the one whose replay of that run comes closer to it
+   (`calibration_shares`), and the speed of its decode server's passes that met no prefill
+   pass (`calibration_decode_scale`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; each
    run `hw_runs` times on its workload, judged on the median (`hw_dirs`);
@@ -446,13 +448,7 @@ def described(costs: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def measure_loop(
-    exps: Sequence[Experiment],
-    out: Path,
-    rates: Sequence[float],
-    profile_csv: Path,
-    sim_overrides: Sequence[str] = (),
-) -> dict[str, Any]:
+def measure_loop(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> dict[str, Any]:
     """The serving loop's costs on this device that a profile of passes leaves out, measured
     on a colocated server (the experiments' colocated one, else the first in that mode)
     serving each of `rates` requests/s, each a workload of its own (the experiment's seed +
@@ -460,9 +456,9 @@ def measure_loop(
     host time per pass follows the load it serves (its scheduler's queues, the messages of
     arrivals and tokens), which a burst of requests at once does not show, and it varies from
     run to run by as much as a tenth (on one H200, 0.58-0.92 ms per decode pass at batch 1), so
-    more than one run is pooled. `loop_costs` of their passes; then, where they have device
-    times, the runs replayed on the profile with those costs (`out/RATErps/replay`) give
-    `chunk_offsets`. Written to `out/calibration.json`."""
+    more than one run is pooled. `loop_costs` of their passes, written to
+    `out/calibration.json`; the chunk offsets, which are the simulator's to fit, come from
+    their replays in `replay_all` (`fit_chunk_offsets`)."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
@@ -472,7 +468,6 @@ def measure_loop(
         seed = coloc.seed + CALIBRATION_SEED + i
         run_hw(coloc.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
     costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in dirs])
-    costs = fit_chunk_offsets(dirs, profile_csv, costs, sim_overrides)
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
 
@@ -486,7 +481,7 @@ def fit_chunk_offsets(
     """`costs` with `profile_chunk_offsets` fitted on the serving runs in `dirs`, replayed on
     the profile with the rest of `costs` (`DIR/replay`); as given, less any offsets, where the
     runs have no device times (the CPU) or too few chunk passes. The offsets are what the
-    simulator leaves out of a chunk pass, so `disagg validate --replay` fits them again."""
+    simulator leaves out of a chunk pass, so every replay fits them anew (`replay_all`)."""
     costs = {k: v for k, v in costs.items() if k != "profile_chunk_offsets"}
     runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
     if not any("device_s" in steps and steps.device_s.notna().any() for steps in runs):
@@ -689,7 +684,7 @@ def validate(
     if opts.resume and (cal / "calibration.json").exists():
         costs, kept = json.loads((cal / "calibration.json").read_text()), ", kept"
     else:
-        costs, kept = measure_loop(exps, cal, ends, csv, opts.sim_overrides), ""
+        costs, kept = measure_loop(exps, cal, ends), ""
     say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}{kept}")
     gpu_run = f"shared GPU: a disaggregated run of its own at {max(ends):g} req/s"
     if opts.resume and (share_run(cal, ends) / "summary.json").exists():
@@ -785,9 +780,9 @@ def replay_all(
     say: Callable[[str], None] = print,
 ) -> Report:
     """Stages 3 and 4 over a validate directory's hw runs (`out/hw`, in `runs.json`'s order),
-    its profile and its loop calibration, whose chunk offsets (what the simulator leaves out
-    of a chunk pass) are fitted again: `disagg validate --replay` redoes them after a change
-    to the simulator, without the device."""
+    its profile and its loop calibration, with the chunk offsets (what the simulator leaves
+    out of a chunk pass) fitted on its colocated runs: `disagg validate --replay` redoes them
+    after a change to the simulator, without the device."""
     hw = out / "hw"
     order = out / "runs.json"
     labels = (
@@ -801,7 +796,9 @@ def replay_all(
     _, alone = calibration_runs(out / "calibration")
     if costs and alone:  # the chunk offsets are the simulator's to fit, as it is now
         costs = fit_chunk_offsets(alone, csv, costs, sim_overrides)
-        say(f"serving loop, chunk offsets fitted again: {described(costs)}")
+        if "profile_chunk_offsets" in costs:
+            offsets = {"profile_chunk_offsets": costs["profile_chunk_offsets"]}
+            say(f"serving loop, on its runs' replays: {described(offsets)}")
     costs |= calibration_decode_scale(out / "calibration", say)
     on_profile = profiled(csv, costs)
     fitted = calibration_shares(out / "calibration", on_profile, say)

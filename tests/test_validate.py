@@ -839,7 +839,7 @@ def test_validate_refuses_bad_input_naming_it(args: list[str], said: str, tmp_pa
     assert said in " ".join(res.output.split()), res.output
 
 
-def test_a_replay_fits_the_chunk_offsets_again_on_the_calibration_runs(tmp_path: Path) -> None:
+def test_chunk_offsets_are_fitted_on_the_runs_replays_without_stale_ones(tmp_path: Path) -> None:
     """Serving runs whose chunk passes (600 tokens, one request at a time) ran 5 ms longer on
     the device than the profile says: the offsets fitted on them are +5 ms, whatever offsets
     the costs carried before; with the runs' own profile they are 0."""

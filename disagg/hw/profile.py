@@ -66,17 +66,10 @@ def _decodes(contexts: Sequence[int], page_size: int, vocab: int) -> list[Seq]:
     return seqs
 
 
-def _seqs(batch: int, new: int, context: int, page_size: int, vocab: int) -> list[Seq]:
-    """`batch` sequences of `new` tokens after `context` cached ones, on disjoint page ranges."""
-    per = pages_for(context + new, page_size)
-    return [
-        Seq(
-            tuple((7919 * (i + j)) % vocab for j in range(new)),
-            context,
-            tuple(range(i * per, (i + 1) * per)),
-        )
-        for i in range(batch)
-    ]
+def _prompt(new: int, context: int, page_size: int, vocab: int) -> Seq:
+    """A sequence of `new` tokens after `context` cached ones, on the pages from 0."""
+    tokens = tuple((7919 * j) % vocab for j in range(new))
+    return Seq(tokens, context, tuple(range(pages_for(context + new, page_size))))
 
 
 def _time_step(
@@ -149,7 +142,7 @@ def profile(
     runner = Runner(model, cache, attention=attention)
     rows = []
     for n, c in prefill:
-        seqs = _seqs(1, n, c, page_size, spec.vocab)
+        seqs = [_prompt(n, c, page_size, spec.vocab)]
         device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
         rows.append(("prefill", n, 1, c, device_s, host_s, 0))
     for ctx in decode:  # context: the sequences' mean (rounded), which the cost model reads
@@ -160,7 +153,7 @@ def profile(
     for n, ctx in beside:  # the chunk's pages after the decodes'
         decodes = _decodes(ctx, page_size, spec.vocab)
         after = pages(ctx)
-        (chunk,) = _seqs(1, n, 0, page_size, spec.vocab)
+        chunk = _prompt(n, 0, page_size, spec.vocab)
         chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
         device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
         rows.append(("mixed", n, len(ctx), _mean(ctx), device_s, host_s, 0))
