@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from disagg.core.kvcache import Layout, PageLayout, pages_for
@@ -221,14 +222,13 @@ class TorchAttention(Attention):
         m, sh = self._meta, self.shape
         if self._device != cache.device:
             self._device = cache.device
-            self._pages = [
-                torch.tensor(m.kv_indices[a:b], device=cache.device)
-                for a, b in zip(m.kv_indptr, m.kv_indptr[1:], strict=False)
-            ]
+            idx = torch.from_numpy(m.kv_indices.astype(np.int64))
+            self._pages = list(idx.to(cache.device).split(np.diff(m.kv_indptr).tolist()))
         out = torch.empty_like(q)
+        qo, lens = m.qo_indptr.tolist(), m.kv_lens.tolist()
         for i, pages in enumerate(self._pages):
-            rows = slice(m.qo_indptr[i], m.qo_indptr[i + 1])
-            kv = gather_pages(cache, pages, m.kv_lens[i], sh)
+            rows = slice(qo[i], qo[i + 1])
+            kv = gather_pages(cache, pages, lens[i], sh)
             if sh.mla:
                 if q_pe is None:
                     raise ConfigError("MLA attention needs q_pe")
@@ -240,8 +240,11 @@ class TorchAttention(Attention):
         return out
 
 
-def _int32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def plan_tensors(meta: BatchMeta) -> tuple[torch.Tensor, ...]:
+    """`meta`'s arrays as the host int32 tensors FlashInfer's plan() takes, sharing their
+    memory: qo_indptr, kv_indptr, kv_indices, kv_lens and last_page_len."""
+    arrays = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens, meta.last_page_len)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a, np.int32)) for a in arrays)
 
 
 class FlashInferAttention(Attention):
@@ -326,14 +329,14 @@ class FlashInferAttention(Attention):
         sh = self.shape
         if self.graph_batch is not None and (not meta.is_decode or meta.batch != self.graph_batch):
             raise ConfigError(f"graph attention is planned for {self.graph_batch} decode rows only")
-        qo, kv_ptr, idx = _int32(meta.qo_indptr), _int32(meta.kv_indptr), _int32(meta.kv_indices)
+        qo, kv_ptr, idx, kv_lens, last_page_len = plan_tensors(meta)
         dtype = self.dtype
         if sh.mla:
             self._mla.plan(
                 qo,
                 kv_ptr,
                 idx,
-                _int32(meta.kv_lens),
+                kv_lens,
                 sh.heads,
                 sh.head_dim,
                 sh.rope_dim,
@@ -344,7 +347,7 @@ class FlashInferAttention(Attention):
                 dtype,
             )
             return
-        pages = (kv_ptr, idx, _int32(meta.last_page_len))
+        pages = (kv_ptr, idx, last_page_len)
         heads = (sh.heads, sh.kv_heads, sh.head_dim, sh.page_size)
         types = {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": sh.sm_scale}
         if meta.is_decode:

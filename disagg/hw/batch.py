@@ -2,16 +2,20 @@
 
 A step is a list of `Seq`: each carries the new token ids of one request (a prefill chunk or
 one decode token), how many of its tokens are already cached, and the request's page ids. From
-them `BatchMeta` derives FlashInfer's paged index arrays (host lists, planned once per step)
-and `StepTensors` the per-token device tensors the model reads. Under DP attention a `Seq` also
+them `BatchMeta` derives FlashInfer's paged index arrays (host int32 arrays, planned once per
+step) and `StepTensors`, from those, the per-token device tensors the model reads. A server
+builds both every pass over every page its sequences hold: numpy does the per-page work, and
+Python loops only over the sequences. Under DP attention a `Seq` also
 names the attention group that holds its request, and `GroupRows` is the part of a step that
 one group attends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -50,18 +54,20 @@ class Seq:
 
     @staticmethod
     def of(
-        tokens: Sequence[int],
+        tokens: Iterable[int],
         start: int,
-        pages: Sequence[int],
+        pages: Iterable[int],
         hidden_at: int | None = None,
         dp_rank: int = 0,
     ) -> Seq:
+        """A Seq of any ints (numpy's and torch's too): `operator.index` takes each, at a
+        server's every pass for every page, so it must be quick (a float is a TypeError)."""
         return Seq(
-            tuple(int(t) for t in tokens),
-            int(start),
-            tuple(int(p) for p in pages),
+            tuple(map(operator.index, tokens)),
+            operator.index(start),
+            tuple(map(operator.index, pages)),
             hidden_at,
-            int(dp_rank),
+            operator.index(dp_rank),
         )
 
     @property
@@ -70,9 +76,9 @@ class Seq:
         return self.start + len(self.tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BatchMeta:
-    """Paged index arrays of one step, as FlashInfer's plan() takes them (host ints).
+    """Paged index arrays of one step, as FlashInfer's plan() takes them (host int32 arrays).
 
     qo_indptr [B+1]: row offsets of each sequence's new tokens.
     kv_indptr [B+1]: offsets into kv_indices of each sequence's pages in use.
@@ -81,10 +87,10 @@ class BatchMeta:
     """
 
     page_size: int
-    qo_indptr: list[int]
-    kv_indptr: list[int]
-    kv_indices: list[int]
-    kv_lens: list[int]
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_lens: np.ndarray
 
     @property
     def batch(self) -> int:
@@ -92,34 +98,40 @@ class BatchMeta:
 
     @property
     def tokens(self) -> int:
-        return self.qo_indptr[-1]
+        return int(self.qo_indptr[-1])
 
     @property
     def is_decode(self) -> bool:
         return self.tokens == self.batch
 
     @property
-    def last_page_len(self) -> list[int]:
-        return [(n - 1) % self.page_size + 1 for n in self.kv_lens]
+    def last_page_len(self) -> np.ndarray:
+        return (self.kv_lens - 1) % self.page_size + 1
 
     @staticmethod
     def of(seqs: Sequence[Seq], page_size: int, num_pages: int) -> BatchMeta:
         """Index arrays for `seqs`; ConfigError if a sequence lacks pages or names a bad page."""
-        qo, kv_ptr, idx, lens = [0], [0], list[int](), list[int]()
-        for i, s in enumerate(seqs):
-            used = -(-s.end // page_size)
-            if used > len(s.pages):
-                raise ConfigError(f"seq {i}: {s.end} tokens need {used} pages, has {len(s.pages)}")
-            pages = s.pages[:used]
-            if min(pages) < 0 or max(pages) > num_pages:  # num_pages: the scratch page
-                raise ConfigError(f"seq {i}: page ids must be in 0..{num_pages} (last: scratch)")
-            qo.append(qo[-1] + len(s.tokens))
-            idx.extend(pages)
-            kv_ptr.append(len(idx))
-            lens.append(s.end)
-        if not lens:
+        if not seqs:
             raise ConfigError("a step needs at least one sequence")
-        return BatchMeta(page_size, qo, kv_ptr, idx, lens)
+        n = len(seqs)
+        new = np.fromiter((len(s.tokens) for s in seqs), np.int64, n)
+        lens = np.fromiter((s.end for s in seqs), np.int64, n)
+        held = np.fromiter((len(s.pages) for s in seqs), np.int64, n)
+        used = -(-lens // page_size)
+        short = np.flatnonzero(used > held)
+        if short.size:
+            i = short[0]
+            raise ConfigError(f"seq {i}: {lens[i]} tokens need {used[i]} pages, has {held[i]}")
+        kv_indptr = np.concatenate([[0], np.cumsum(used)])
+        pages = chain.from_iterable(s.pages[:u] for s, u in zip(seqs, used.tolist(), strict=True))
+        idx = np.fromiter(pages, np.int64, int(kv_indptr[-1]))
+        bad = np.flatnonzero((idx < 0) | (idx > num_pages))  # num_pages: the scratch page
+        if bad.size:
+            i = int(np.searchsorted(kv_indptr, bad[0], "right")) - 1
+            raise ConfigError(f"seq {i}: page ids must be in 0..{num_pages} (last: scratch)")
+        qo_indptr = np.concatenate([[0], np.cumsum(new)])
+        arrays = (a.astype(np.int32) for a in (qo_indptr, kv_indptr, idx, lens))
+        return BatchMeta(page_size, *arrays)
 
 
 @dataclass
@@ -139,23 +151,23 @@ class StepTensors:
     hidden_rows: torch.Tensor
 
     @staticmethod
-    def pack(seqs: Sequence[Seq], page_size: int) -> np.ndarray:
-        """All six arrays in one int64 host array [4T + 2B] (one host-to-device copy)."""
-        ids, pos, pages = [], [], []
-        last, hid = np.empty(len(seqs), np.int64), np.empty(len(seqs), np.int64)
-        rows = 0
+    def pack(seqs: Sequence[Seq], meta: BatchMeta) -> np.ndarray:
+        """All six arrays of `seqs` (whose index arrays are `meta`) in one int64 host array
+        [4T + 2B] (one host-to-device copy)."""
+        first, last = meta.qo_indptr[:-1].astype(np.int64), meta.qo_indptr[1:] - 1
+        new = last + 1 - first
+        tokens = meta.tokens
+        ids = np.fromiter(chain.from_iterable(s.tokens for s in seqs), np.int64, tokens)
+        row = np.repeat(np.arange(len(seqs)), new)  # each new token's sequence
+        starts = meta.kv_lens - new  # tokens cached before the step
+        pos = np.arange(tokens) + np.repeat(starts - first, new)
+        slot_pages = meta.kv_indices[meta.kv_indptr[row] + pos // meta.page_size]
+        hidden = last.astype(np.int64)
         for i, s in enumerate(seqs):
-            p = np.arange(s.start, s.end, dtype=np.int64)
-            ids.append(np.asarray(s.tokens, dtype=np.int64))
-            pos.append(p)
-            pages.append(np.asarray(s.pages, dtype=np.int64)[p // page_size])
-            n = len(s.tokens)
-            last[i] = rows + n - 1
-            hid[i] = rows + (n - 1 if s.hidden_at is None else s.hidden_at % n)
-            rows += n
-        p_all = np.concatenate(pos)
-        parts = [np.concatenate(ids), p_all, np.concatenate(pages), p_all % page_size, last, hid]
-        return np.concatenate(parts)
+            if s.hidden_at is not None:
+                hidden[i] = first[i] + s.hidden_at % new[i]
+        parts = [ids, pos, slot_pages, pos % meta.page_size, last, hidden]
+        return np.concatenate(parts, dtype=np.int64)
 
     @staticmethod
     def unpack(packed: torch.Tensor, batch: int) -> StepTensors:
@@ -165,8 +177,8 @@ class StepTensors:
         return StepTensors(*parts)
 
     @staticmethod
-    def build(seqs: Sequence[Seq], page_size: int, device: torch.device) -> StepTensors:
-        packed = torch.from_numpy(StepTensors.pack(seqs, page_size))
+    def build(seqs: Sequence[Seq], meta: BatchMeta, device: torch.device) -> StepTensors:
+        packed = torch.from_numpy(StepTensors.pack(seqs, meta))
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         return StepTensors.unpack(packed, len(seqs))
@@ -177,16 +189,22 @@ class GroupRows:
     """The part of a step that one DP attention group attends (its requests' sequences).
 
     seqs: those sequences, in step order; rows [t] int64: their new tokens' rows in the step;
-    x: their own StepTensors (None when the step has none of them).
+    meta, x: their own index arrays and StepTensors (None when the step has none of them).
     """
 
     seqs: list[Seq]
     rows: torch.Tensor
+    meta: BatchMeta | None
     x: StepTensors | None
 
     @staticmethod
     def of(
-        seqs: Sequence[Seq], dp_rank: int, dp: int, page_size: int, device: torch.device
+        seqs: Sequence[Seq],
+        dp_rank: int,
+        dp: int,
+        page_size: int,
+        num_pages: int,
+        device: torch.device,
     ) -> GroupRows:
         """Group `dp_rank`'s part of the step `seqs`; ConfigError for a Seq of no group of `dp`."""
         rows: list[int] = []
@@ -199,5 +217,6 @@ class GroupRows:
                 mine.append(s)
                 rows.extend(range(at, at + len(s.tokens)))
             at += len(s.tokens)
-        x = StepTensors.build(mine, page_size, device) if mine else None
-        return GroupRows(mine, torch.tensor(rows, dtype=torch.int64, device=device), x)
+        meta = BatchMeta.of(mine, page_size, num_pages) if mine else None
+        x = StepTensors.build(mine, meta, device) if meta is not None else None
+        return GroupRows(mine, torch.tensor(rows, dtype=torch.int64, device=device), meta, x)

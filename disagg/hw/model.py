@@ -324,19 +324,20 @@ class Transformer:
         """Append the batch's new tokens to `cache` and return last-token logits (eager)."""
         meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
         attn = attention or TorchAttention(self.attn_shape(cache.page_size, cache.layout.layout))
-        group = self.group_rows(batch, cache.page_size)
+        group = self.group_rows(batch, cache)
         if group is None:
             attn.plan(meta)
-        elif group.seqs:
-            attn.plan(BatchMeta.of(group.seqs, cache.page_size, cache.num_pages))
-        x = StepTensors.build(batch, cache.page_size, self.device)
+        elif group.meta is not None:
+            attn.plan(group.meta)
+        x = StepTensors.build(batch, meta, self.device)
         return self.forward_tensors(x, cache, attn, group=group)
 
-    def group_rows(self, batch: Sequence[Seq], page_size: int) -> GroupRows | None:
+    def group_rows(self, batch: Sequence[Seq], cache: KVCache) -> GroupRows | None:
         """This rank's attention group's part of `batch` under DP attention (None without)."""
         if self.tp is None or self.tp.dp == 1:
             return None
-        return GroupRows.of(batch, self.tp.dp_rank, self.tp.dp, page_size, self.device)
+        tp = self.tp
+        return GroupRows.of(batch, tp.dp_rank, tp.dp, cache.page_size, cache.num_pages, self.device)
 
     @torch.inference_mode()
     def forward_tensors(

@@ -149,8 +149,9 @@ class _DecodeGraph:
             decode_kernel=getattr(runner.attn, "decode_kernel", None),
         )
         rows = [self.pad] * batch
-        self.attn.plan(BatchMeta.of(rows, cache.page_size, cache.num_pages))
-        self.packed = torch.from_numpy(StepTensors.pack(rows, cache.page_size)).to(dev)
+        meta = BatchMeta.of(rows, cache.page_size, cache.num_pages)
+        self.attn.plan(meta)
+        self.packed = torch.from_numpy(StepTensors.pack(rows, meta)).to(dev)
         self.x = StepTensors.unpack(self.packed, batch)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -165,8 +166,9 @@ class _DecodeGraph:
         """Plan attention and copy the inputs of `seqs` (padded) into the graph's buffers."""
         cache = self.runner.cache
         rows = [*seqs, *[self.pad] * (self.batch - len(seqs))]
-        self.attn.plan(BatchMeta.of(rows, cache.page_size, cache.num_pages))
-        host = torch.from_numpy(StepTensors.pack(rows, cache.page_size)).pin_memory()
+        meta = BatchMeta.of(rows, cache.page_size, cache.num_pages)
+        self.attn.plan(meta)
+        host = torch.from_numpy(StepTensors.pack(rows, meta)).pin_memory()
         self.packed.copy_(host, non_blocking=True)
 
     def replay(self, n: int) -> ForwardOut:
@@ -246,10 +248,10 @@ class Runner:
             self.capture_s += time.perf_counter() - began
         return self._graphs.get(batch)
 
-    def _graph_for(self, meta: BatchMeta) -> _DecodeGraph | None:
-        if not meta.is_decode:
+    def _graph_for(self, batch: Sequence[Seq]) -> _DecodeGraph | None:
+        if any(len(s.tokens) != 1 for s in batch):  # not a decode pass
             return None
-        size = graph_batch_for(self.graph_batches, meta.batch)
+        size = graph_batch_for(self.graph_batches, len(batch))
         return None if size is None else self._graph(size, on_demand=True)
 
     def _mark_staged(self) -> None:
@@ -310,8 +312,7 @@ class Runner:
         to run plans a request's first pass while its KV is still inbound, which takes the
         planning's host time off its TTFT.
         False (nothing done) where the step would not replay a graph."""
-        meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
-        graph = self._graph_for(meta)
+        graph = self._graph_for(batch)
         if graph is None:
             return False
         with on_device(self.device):
@@ -331,10 +332,9 @@ class Runner:
             self._staged.synchronize()
 
     def _step(self, batch: Sequence[Seq], sample: bool) -> StepOutput:
-        meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
         before = self.steps * self.model.spec.layers
-        group = self.model.group_rows(batch, self.cache.page_size)  # DP attention: eager
-        graph = self._graph_for(meta) if group is None else None
+        group = self.model.group_rows(batch, self.cache)  # DP attention: eager
+        graph = self._graph_for(batch) if group is None else None
         ahead, self._ahead = self._ahead, None  # any step uses up a plan made ahead
         if graph is not None:
             if ahead is not None and ahead[0] is graph and ahead[1] == tuple(batch):
@@ -345,11 +345,12 @@ class Runner:
                 out = graph.replay(len(batch))
         else:
             self._wait_staged()
+            meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
             if group is None:
                 self.attn.plan(meta)
-            elif group.seqs:  # this rank attends its attention group's sequences only
-                self.attn.plan(BatchMeta.of(group.seqs, self.cache.page_size, self.cache.num_pages))
-            x = StepTensors.build(batch, self.cache.page_size, self.device)
+            elif group.meta is not None:  # this rank attends its attention group's sequences
+                self.attn.plan(group.meta)
+            x = StepTensors.build(batch, meta, self.device)
             self._mark_staged()
             with self._timing():
                 out = self.model.forward_tensors(
