@@ -7,7 +7,7 @@ per-token inputs) then device work. On an H200 the host part of a Llama-3.1-8B d
 grew by 0.07-0.09 ms per sequence and 0.2-0.6 ms per 10,000 tokens of context (validate's runs),
 up to half the pass near saturation, and it moves from one server process to the next. This
 times, on any CPU, what a decode server does each pass before the device: each sequence's
-`Seq.of` (from the pool's page list), `BatchMeta.of`, the graph's padded rows, the int32 index
+`Seq.decode` (from the pool's page list), `BatchMeta.of`, the graph's padded rows, the int32 index
 tensors the attention plan takes and `StepTensors.pack` (FlashInfer's own planning is not
 included: it needs a GPU). Contexts are drawn evenly between the two `--contexts` (seeded), each
 sequence on pages of its own. Prints and writes host_pass.csv (batch, pages, median and p90 µs
@@ -45,7 +45,7 @@ def pool_pages(batch: int, lo: int, hi: int, seed: int) -> list[tuple[int, list[
 
 def one_pass(rows: list[tuple[int, list[int]]], num_pages: int) -> None:
     """What a decode server does on the host before a graph replay."""
-    seqs = [Seq.of([7], c, pages) for c, pages in rows]
+    seqs = [Seq.decode(7, c, pages) for c, pages in rows]
     size = graph_batch_for(GRAPH_BATCHES, len(seqs)) or len(seqs)
     pad = Seq((0,), 0, (num_pages,))
     padded = [*seqs, *[pad] * (size - len(seqs))]

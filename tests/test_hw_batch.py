@@ -48,7 +48,9 @@ def test_plan_tensors_are_int32_views_of_the_meta():
 
 def test_group_rows_index_their_own_sequences():
     seqs = [CHUNK, Seq.of([20], 4, [3, 4], dp_rank=1)]
-    group = GroupRows.of(seqs, dp_rank=1, dp=2, page_size=4, num_pages=16, device=torch.device("cpu"))
+    group = GroupRows.of(
+        seqs, dp_rank=1, dp=2, page_size=4, num_pages=16, device=torch.device("cpu")
+    )
     assert group.rows.tolist() == [3]
     assert group.meta is not None and group.meta.kv_indices.tolist() == [3, 4]
     assert group.x is not None and group.x.slot_pages.tolist() == [4]
@@ -67,6 +69,11 @@ def test_group_rows_index_their_own_sequences():
 def test_meta_names_the_sequence_with_bad_pages(seq, message):
     with pytest.raises(ConfigError, match=message):
         BatchMeta.of([DECODE, seq], page_size=4, num_pages=16)
+
+
+def test_a_decode_row_is_the_seq_of_its_token():
+    assert Seq.decode(20, 4, [3, 4, 5]) == DECODE
+    assert Seq.decode(20, 4, [3, 4, 5], dp_rank=1) == Seq.of([20], 4, [3, 4, 5], dp_rank=1)
 
 
 def test_seq_of_takes_ints_only():

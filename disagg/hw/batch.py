@@ -70,6 +70,12 @@ class Seq:
             operator.index(dp_rank),
         )
 
+    @staticmethod
+    def decode(token: int, start: int, pages: Sequence[int], dp_rank: int = 0) -> Seq:
+        """One decode row: `token` at position `start`, on a pool's pages (ints already: taken
+        as they are, which a server does for every row of every pass)."""
+        return Seq((token,), start, tuple(pages), None, dp_rank)
+
     @property
     def end(self) -> int:
         """Tokens cached once this step has appended its own."""

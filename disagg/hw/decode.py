@@ -62,6 +62,13 @@ class GeneratingServer(Server):
             return None
         return req
 
+    def decode_seq(self, r: Request) -> Seq:
+        """`r`'s next decode pass: its last token (the prompt's, first) at its last position."""
+        out = self.outputs[r.id]
+        last = out[-1] if out else r.prompt[-1]
+        start = r.prompt_tokens - 1 + len(out)
+        return Seq.decode(last, start, self.pool.pages_of(r.id), self.group(r.id))
+
     def pass_ran(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Keep the pass's rows and logits for `finished` (until the next pass)."""
         self.pass_rows, self.pass_logits = rows, logits
@@ -177,22 +184,15 @@ class DecodeServer(GeneratingServer):
         is inbound and nothing else runs, is ready or is inbound. True if planned."""
         alone = not len(self.role.scheduler) and len(self.role.messenger.inbound) == 1
         if self.hw.latency.plan_ahead and req.status is Status.RESERVED and alone:
-            return self.runner.plan_ahead([self.seq(req)])
+            return self.runner.plan_ahead([self.decode_seq(req)])
         return False
-
-    def seq(self, r: Request) -> Seq:
-        """`r`'s next decode pass: its last token (the prompt's, first) at its last position."""
-        out = self.outputs[r.id]
-        last = out[-1] if out else r.prompt[-1]
-        start = r.prompt_tokens - 1 + len(out)
-        return Seq.of([last], start, self.pool.pages_of(r.id), dp_rank=self.group(r.id))
 
     def step(self) -> bool:
         batch = self.role.next_batch()
         if batch.empty:
             return False
         start = self.now()
-        res = self.runner.step([self.seq(r) for r in batch.decodes], sample=True)
+        res = self.runner.step([self.decode_seq(r) for r in batch.decodes], sample=True)
         assert res.tokens is not None
         for i, (r, tok) in enumerate(zip(batch.decodes, res.tokens, strict=True)):
             self.outputs[r.id].append(tok)
@@ -241,10 +241,7 @@ class ColocatedServer(GeneratingServer):
             )
             for c in batch.chunks
         ]
-        for r in batch.decodes:
-            out, pages = self.outputs[r.id], self.pool.pages_of(r.id)
-            at = r.prompt_tokens - 1 + len(out)
-            seqs.append(Seq.of([out[-1]], at, pages, dp_rank=self.group(r.id)))
+        seqs += [self.decode_seq(r) for r in batch.decodes]
         res = self.runner.step(seqs, sample=True)
         assert res.tokens is not None
         for i, c in enumerate(batch.chunks):
