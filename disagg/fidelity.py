@@ -329,9 +329,33 @@ def own_host_table(table: pd.DataFrame, own: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=OWN_HOST_COLUMNS)
 
 
-def own_host_markdown(own: pd.DataFrame, tolerances: Mapping[str, float]) -> str:
+HOST_FIT_FIELDS = {  # a `[cost]` host field: its column in fidelity.md
+    "profile_host_s": "decode pass",
+    "profile_host_per_seq_s": "per sequence",
+    "profile_host_chunk_s": "pass with a chunk",
+}
+
+
+def host_fits_markdown(fits: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """A table of the host time per pass (ms) that each of `fits` (calibration or run: its
+    `[cost]` host fields) came to: a decode pass's fixed part, the part per sequence and a
+    pass with a chunk's fixed part."""
+    head = " | ".join(HOST_FIT_FIELDS.values())
+    lines = [f"| host time per pass, ms | {head} |", "|---|" + "---:|" * len(HOST_FIT_FIELDS)]
+    for name, fit in fits.items():
+        cells = " | ".join(f"{fit.get(k, math.nan) * 1e3:.3g}" for k in HOST_FIT_FIELDS)
+        lines.append(f"| {name} | {cells} |")
+    return lines
+
+
+def own_host_markdown(
+    own: pd.DataFrame,
+    tolerances: Mapping[str, float],
+    fits: Mapping[str, Mapping[str, float]] | None = None,
+) -> str:
     """fidelity.md's section on the replays with each run's own host time (`own_host_table`),
-    and how many cells meet their tolerance each way."""
+    how many cells meet their tolerance each way, and the host times fitted (`fits`, by
+    calibration or run: `host_fits_markdown`)."""
     lines = [
         "## With each run's own host time",
         "",
@@ -357,6 +381,8 @@ def own_host_markdown(own: pd.DataFrame, tolerances: Mapping[str, float]) -> str
             f"Within the tolerances: {met[0]} of {len(judged)} cells with each run's own host "
             f"time, {met[1]} calibrated.",
         ]
+    if fits:
+        lines += ["", *host_fits_markdown(fits)]
     return "\n".join(lines) + "\n"
 
 
@@ -367,11 +393,12 @@ def write_report(
     repeats: pd.DataFrame | None = None,
     spread: pd.DataFrame | None = None,
     own_host: pd.DataFrame | None = None,
+    host_fits: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[Verdict]:
     """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
     are any, also as out/repeat.csv, `spread` (`spread_table`) where there is any, also as
     out/hw_spread.csv, and `own_host` (`own_host_table`) where there is any, also as
-    out/own_host.csv; return the verdicts (judge)."""
+    out/own_host.csv, beside the host times fitted (`host_fits`); return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
@@ -387,7 +414,7 @@ def write_report(
     (out / "own_host.csv").unlink(missing_ok=True)
     if own_host is not None and len(own_host):
         own_host.to_csv(out / "own_host.csv", index=False)
-        text += "\n" + own_host_markdown(own_host, tolerances)
+        text += "\n" + own_host_markdown(own_host, tolerances, host_fits)
     (out / "fidelity.md").write_text(text)
     return verdicts
 

@@ -835,15 +835,17 @@ def replay_all(
     if len(spread):
         say(f"the same run again: hw moves by up to {widest_spreads(spread)}")
     own: dict[str, dict[str, dict[str, Any]]] = {}
+    fits = {"calibration": {k: costs[k] for k in HOST_KEYS if k in costs}}
     for label in labels:
         host = own_host(hw_dirs(out, label))
+        fits[label] = host
         if host:
             say(f"replay: {label} with its own host time (profile)")
             on_own = [*sim_overrides, *profiled(csv, costs | host)]
             summary, _ = replay(hw / label, on_own, out / "sim-own-host" / label)
             own[label] = {"hw": summaries[label]["hw"], "sim_profile": summary}
     own_table = own_host_table(table, fidelity_table(own)) if own else None
-    verdicts = write_report(table, tolerances, out, repeats, spread, own_table)
+    verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits)
     report = Report(table, verdicts)
     pass_report(
         {

@@ -200,10 +200,16 @@ def test_each_runs_own_host_time_replay_stands_beside_the_calibrated_one() -> No
     assert by.loc[("a", "tpot_s_p50")].tolist() == pytest.approx([1.0, 0.97])
     assert by.loc[("a", "ttft_s_p90")].tolist() == pytest.approx([1.0, 0.75])
     assert by.loc[("b", "tpot_s_p50")].isna().all()
-    text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0})
+    fits = {
+        "calibration": {"profile_host_s": 6e-4, "profile_host_per_seq_s": 6.5e-5},
+        "a": {"profile_host_s": 7.8e-4, "profile_host_per_seq_s": 9.1e-5},
+    }
+    text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0}, fits)
     assert "| a | 1 / 1.04 | 1 / 0.75 | 1 / 0.97 | 1 / 1.05 | 1 / 1 | 1 / 0.99 |" in text
     said = "Within the tolerances: 3 of 4 cells with each run's own host time, 1 calibrated."
     assert said in text
+    assert "| calibration | 0.6 | 0.065 | nan |" in text  # ms; no chunk part fitted
+    assert "| a | 0.78 | 0.091 | nan |" in text
 
 
 def test_a_cell_run_more_than_once_is_judged_on_its_median_and_its_spread_is_told() -> None:
