@@ -3,15 +3,14 @@
     python benchmarks/host_pass.py [--batches 1,8,25,52,100] [--contexts 294,4245] [--out DIR]
 
 A server's pass is host work (its sequences, the attention's index arrays, the packed
-per-token inputs) then device work. On an H200 the host part of a Llama-3.1-8B decode pass
-grew by 0.07-0.09 ms per sequence and 0.2-0.6 ms per 10,000 tokens of context (validate's runs),
-up to half the pass near saturation, and it moves from one server process to the next. This
-times, on any CPU, what a decode server does each pass before the device: each sequence's
-`Seq.decode` (from the pool's page list), `BatchMeta.of`, the graph's padded rows, the int32 index
-tensors the attention plan takes and `StepTensors.pack` (FlashInfer's own planning is not
-included: it needs a GPU). Contexts are drawn evenly between the two `--contexts` (seeded), each
-sequence on pages of its own. Prints and writes host_pass.csv (batch, pages, median and p90 µs
-over `--repeats`) when `--out` is given.
+per-token inputs) then device work. On an H200 the host part of a Llama-3.1-8B decode pass grew
+with its batch and with its sequences' context, and moved from one server process to the next
+(`benchmarks/results/2026-12-04d-gpu/`). This times, on any CPU, what a decode server does each
+pass before the device: each sequence's `Seq.decode` (from the pool's page list), the
+`BatchMeta` of the graph's padded rows, the int32 index tensors the attention plan takes and
+`StepTensors.pack`. FlashInfer's own planning is not included: it needs a GPU. Contexts are
+drawn evenly between the two `--contexts` (seeded), each sequence on pages of its own. Prints,
+and writes host_pass.csv (batch, pages, median and p90 µs over `--repeats`) with `--out`.
 """
 
 from __future__ import annotations
