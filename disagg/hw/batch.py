@@ -3,11 +3,10 @@
 A step is a list of `Seq`: each carries the new token ids of one request (a prefill chunk or
 one decode token), how many of its tokens are already cached, and the request's page ids. From
 them `BatchMeta` derives FlashInfer's paged index arrays (host int32 arrays, planned once per
-step) and `StepTensors`, from those, the per-token device tensors the model reads. A server
-builds both every pass over every page its sequences hold: numpy does the per-page work, and
-Python loops only over the sequences. Under DP attention a `Seq` also
-names the attention group that holds its request, and `GroupRows` is the part of a step that
-one group attends.
+step), and `StepTensors`, from those, the per-token device tensors the model reads. A server
+builds both on every pass over every page its sequences hold, so numpy does the per-page work
+and Python loops only over the sequences. Under DP attention a `Seq` also names the attention
+group that holds its request, and `GroupRows` is the part of a step that one group attends.
 """
 
 from __future__ import annotations
