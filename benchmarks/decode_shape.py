@@ -29,11 +29,10 @@ from pathlib import Path
 import pandas as pd
 
 from disagg.core.kvcache import pages_for
-from disagg.hw.batch import Seq
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
-from disagg.hw.profile import _time_step
-from disagg.hw.runner import Runner
+from disagg.hw.profile import _time_step, decode_seqs
+from disagg.hw.runner import GRAPH_BATCHES, Runner, graph_batch_for
 from disagg.models import MODELS, get_model
 
 
@@ -42,16 +41,6 @@ def contexts(shape: str, batch: int, lo: int, hi: int, rng: random.Random) -> li
     if shape.startswith("uniform:"):
         return [int(shape.split(":")[1])] * batch
     return [rng.randint(lo, hi) for _ in range(batch)]
-
-
-def seqs(ctx: list[int], page_size: int, vocab: int, pages: list[int]) -> list[Seq]:
-    """One new token after each context, on consecutive runs of `pages`."""
-    out, at = [], 0
-    for i, c in enumerate(ctx):
-        n = pages_for(c + 1, page_size)
-        out.append(Seq(((7919 * i) % vocab,), c, tuple(pages[at : at + n])))
-        at += n
-    return out
 
 
 def main() -> None:
@@ -92,12 +81,17 @@ def main() -> None:
             if shape == "scattered":
                 random.Random(args.seed).shuffle(pages)
             device_s, _ = _time_step(
-                runner, seqs(ctx, page_size, vocab, pages), dev, 3, args.repeats, statistics.median
+                runner,
+                decode_seqs(ctx, page_size, vocab, pages),
+                dev,
+                3,
+                args.repeats,
+                statistics.median,
             )
             rows.append((b, shape, sum(ctx) / b, max(ctx), device_s * 1e3))
     df = pd.DataFrame(rows, columns=["batch", "shape", "context_mean", "context_max", "device_ms"])
     df["line_ms"] = [line(df, b, c) for b, c in zip(df.batch, df.context_mean, strict=True)]
-    graph = [1 << (b - 1).bit_length() for b in df.batch]
+    graph = [graph_batch_for(GRAPH_BATCHES, b) for b in df.batch]
     df["graph_line_ms"] = [
         line(df, g, c) if g in set(df.batch) else float("nan")
         for g, c in zip(graph, df.context_mean, strict=True)

@@ -838,8 +838,8 @@ def replay_all(
     fits = {"calibration": {k: costs[k] for k in HOST_KEYS if k in costs}}
     for label in labels:
         host = own_host(hw_dirs(out, label))
-        fits[label] = host
         if host:
+            fits[label] = host
             say(f"replay: {label} with its own host time (profile)")
             on_own = [*sim_overrides, *profiled(csv, costs | host)]
             summary, _ = replay(hw / label, on_own, out / "sim-own-host" / label)

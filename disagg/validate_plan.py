@@ -95,16 +95,14 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     1/2 and 3/4 of its output); mixed passes of each chunk beside each decode batch, at the
     shortest context and at the mix. The mix, not one long context, gives each batch's line
     its slope: a server's batches mix long and short sequences, which take longer than uniform
-    ones of the same total (on one H200, Llama-3.1-8B batches of 25-64 took 4-6% longer).
+    ones of the same total (docs/calibration.md, "Not the graphs: the mix of contexts").
 
     Decode passes are profiled at every power of two up to the batch limit as well: the hw
     runner replays a decode pass in the CUDA graph of the next power of two (GRAPH_BATCHES),
-    so its fixed part steps up past each (on one H200, Llama-3.1-8B's passes at 294 tokens a
-    sequence: 5.90 ms at 16, 6.18 at 25, 6.20 at 32); and an MoE pass's time follows the
-    experts its batch activates, which
-    grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences ran up to 16%
-    longer than interpolated between batches 1, 6 and 40). Mixed passes, which run eagerly,
-    keep the `points` batches."""
+    so its fixed part steps up past each; and an MoE pass's time follows the experts its batch
+    activates, which grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences
+    ran up to 16% longer than interpolated between batches 1, 6 and 40). Mixed passes, which
+    run eagerly, keep the `points` batches."""
     prompts, mix, chunks, batches, cached = [], [], [], [], 0
     for exp in exps:
         arrivals = _arrivals(exp)

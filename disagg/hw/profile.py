@@ -7,11 +7,11 @@ model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt 
 `tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
 With `decode_mix` it also times each decode batch, and each mixed pass, with decodes whose
 contexts spread as a server's do: drawn from `decode_mix` (`mix_contexts`), the context
-column their mean. A server's batch mixes long and short sequences, and on one H200 such a
-batch of 25-64 Llama-3.1-8B sequences took 4-6% longer than one whose sequences all had their
-mean context, which a line through uniform batches does not see (`benchmarks/decode_shape.py`);
-and a mixed pass reads its decodes' context in the prefill kernel, more slowly than a decode
-pass does, which mixed passes at one short context do not show.
+column their mean. A server's batch mixes long and short sequences, and a large one takes
+longer than one whose sequences all have its mean context, which a line through uniform batches
+does not see (`benchmarks/decode_shape.py`); and a mixed pass reads its decodes' context in the
+prefill kernel, more slowly than a decode pass does, which mixed passes at one short context do
+not show (docs/calibration.md, "Not the graphs: the mix of contexts").
 Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
 prefilling sequence; a decode row's mean), duration_s, host_s, graph_batch (the batch of the
@@ -56,20 +56,24 @@ def mix_contexts(pool: Sequence[int], batch: int, seed: int = 0) -> tuple[int, .
     return tuple(picks)
 
 
-def _decodes(contexts: Sequence[int], page_size: int, vocab: int) -> list[Seq]:
-    """One new token after each of `contexts`, the sequences on consecutive page ranges."""
+def decode_seqs(
+    contexts: Sequence[int], page_size: int, vocab: int, pages: Sequence[int] | None = None
+) -> list[Seq]:
+    """One new token after each of `contexts`, the sequences on consecutive runs of `pages`
+    (default: the pages from 0)."""
     seqs, start = [], 0
     for i, c in enumerate(contexts):
-        pages = pages_for(c + 1, page_size)
-        seqs.append(Seq(((7919 * i) % vocab,), c, tuple(range(start, start + pages))))
-        start += pages
+        n = pages_for(c + 1, page_size)
+        run = range(start, start + n) if pages is None else pages[start : start + n]
+        seqs.append(Seq.decode((7919 * i) % vocab, c, run))
+        start += n
     return seqs
 
 
-def _prompt(new: int, context: int, page_size: int, vocab: int) -> Seq:
-    """A sequence of `new` tokens after `context` cached ones, on the pages from 0."""
+def _prompt(new: int, context: int, page_size: int, vocab: int, first: int = 0) -> Seq:
+    """A sequence of `new` tokens after `context` cached ones, on the pages from `first`."""
     tokens = tuple((7919 * j) % vocab for j in range(new))
-    return Seq(tokens, context, tuple(range(pages_for(context + new, page_size))))
+    return Seq(tokens, context, tuple(range(first, first + pages_for(context + new, page_size))))
 
 
 def _time_step(
@@ -146,15 +150,13 @@ def profile(
         device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
         rows.append(("prefill", n, 1, c, device_s, host_s, 0))
     for ctx in decode:  # context: the sequences' mean (rounded), which the cost model reads
-        seqs = _decodes(ctx, page_size, spec.vocab)
+        seqs = decode_seqs(ctx, page_size, spec.vocab)
         device_s, host_s = _time_step(runner, seqs, dev, warmup, repeats, reduce)
         graph = 0 if runner.graph_error else graph_batch_for(runner.graph_batches, len(ctx)) or 0
         rows.append(("decode", len(ctx), len(ctx), _mean(ctx), device_s, host_s, graph))
     for n, ctx in beside:  # the chunk's pages after the decodes'
-        decodes = _decodes(ctx, page_size, spec.vocab)
-        after = pages(ctx)
-        chunk = _prompt(n, 0, page_size, spec.vocab)
-        chunk = Seq(chunk.tokens, 0, tuple(p + after for p in chunk.pages))
+        decodes = decode_seqs(ctx, page_size, spec.vocab)
+        chunk = _prompt(n, 0, page_size, spec.vocab, first=pages(ctx))
         device_s, host_s = _time_step(runner, [chunk, *decodes], dev, warmup, repeats, reduce)
         rows.append(("mixed", n, len(ctx), _mean(ctx), device_s, host_s, 0))
     del runner, cache, model

@@ -251,8 +251,7 @@ class ProfileCost:
     the decodes' context in all, at `mixed_context_s` per token (the median of those shapes'
     slopes; the offsets are then taken at no context): a mixed pass's attention runs its
     decodes in the prefill kernel, which reads their context more slowly than the decode
-    kernel (on one H200, Llama-3.1-8B's mixed passes ran 0.53-0.79 ms per 10,000 such tokens
-    longer than the decode line said, in the colocated runs of four validates). The table
+    kernel (docs/calibration.md, "Mixed passes read their decodes' context slowly"). The table
     must come from the same model and depth as the experiment.
 
     The curves above are device time. A pass also costs the host time the serving loop spends
@@ -277,10 +276,9 @@ class ProfileCost:
     it). With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
     does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
     the smallest batch at or above b whose row filled its graph (the optional column
-    graph_batch, which `disagg hw profile` writes; none in a table without it). On one H200 a
-    Llama-3.1-8B pass of 25 sequences (contexts spread over 294-4,295 tokens) took 8.08 ms;
-    the line of batch 32 says 8.00, one between batches 16 and 32 said 7.77
-    (`benchmarks/decode_shape.py`). Mixed passes run eagerly and interpolate.
+    graph_batch, which `disagg hw profile` writes; none in a table without it): a pass of 25
+    sequences costs what 32's line says, not one between 16 and 32 (`benchmarks/decode_shape.py`,
+    docs/calibration.md). Mixed passes run eagerly and interpolate.
     """
 
     def __init__(
