@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from disagg.hw.device import copy_seconds, resolve_device, time_it
-from disagg.hw.model import WeightMaker
 from disagg.hw.moe import MoE, experts_grouped, experts_reference, route
+from disagg.hw.weights import WeightMaker
 from disagg.models import MODELS
 
 PREFILL = (512, 2048, 8192)

@@ -50,6 +50,8 @@ class ModelConfig(_Frozen):
     weight_dtype: Literal["bf16", "fp8"] = "fp8"
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     layers: int | None = Field(default=None, ge=1)  # cut the depth (hardware runs)
+    # the seed of the hw model's random weights (None: the experiment's seed)
+    weight_seed: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -327,6 +329,11 @@ class Experiment(_Frozen):
             return data
         full = (Path(str(data.get("base_dir", "."))) / path).resolve()
         return {**data, "model": {**model, "config": str(full)}}
+
+    @property
+    def weight_seed(self) -> int:
+        """The seed of the hw model's random weights: `model.weight_seed`, else `seed`."""
+        return self.seed if self.model.weight_seed is None else self.model.weight_seed
 
     def updated(self, *overrides: str) -> Experiment:
         """This experiment with `key.path=value` overrides applied (as `--set` applies them)."""

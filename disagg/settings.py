@@ -82,6 +82,9 @@ class HwConfig(_Frozen):
     auth: Literal["auto", "curve", "off"] = "auto"
     # the file holding the shared secret CURVE's keys derive from (only its path is recorded)
     secret_file: str | None = None
+    # a directory where servers keep the weights they draw, for later servers of the same
+    # model and seed to read instead of drawing again (disagg.hw.weights; None: none kept)
+    weight_cache: str | None = None
     start_timeout_s: float = Field(default=600.0, gt=0)  # model build, CUDA graphs, kernel JIT
     drain_timeout_s: float = Field(default=600.0, gt=0)  # after the last arrival
     silent_after_s: float = Field(default=30.0, gt=0)  # a server alive but silent is stuck
@@ -106,6 +109,7 @@ ENVIRONMENT: dict[str, str] = {
     "DISAGG_VERBS_PORT": "hw.verbs.port",
     "DISAGG_VERBS_GID_INDEX": "hw.verbs.gid_index",
     "DISAGG_SECRET_FILE": "hw.secret_file",
+    "DISAGG_WEIGHT_CACHE": "hw.weight_cache",
 }
 
 

@@ -261,6 +261,7 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
             attention=exps[0].hw.attention,
             reduce=min if cpu else statistics.median,
             fused_ops=exps[0].hw.latency.fused_ops,
+            weight_cache=exps[0].hw.weight_cache,
             **asdict(profile_grid(exps, opts.grid_points)),
         )
     write_csv(df, csv)
@@ -268,6 +269,14 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
 
 
 CALIBRATION_SEED = 1  # added to the experiment's seed: the loop calibration's own workloads
+
+
+def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
+    """`exp` on a workload of `seed` at `rate` requests/s, its model's weights still those of
+    the runs it calibrates (so that hw.weight_cache keeps one copy of them)."""
+    return exp.updated(
+        f"seed={seed}", f"model.weight_seed={exp.weight_seed}", f"workload.rate_per_s={rate}"
+    )
 
 
 def pass_gaps(steps: pd.DataFrame) -> pd.Series:
@@ -465,8 +474,7 @@ def measure_loop(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) 
     coloc = coloc or other_mode(exps[0])
     dirs = loop_runs(out, rates)
     for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
-        seed = coloc.seed + CALIBRATION_SEED + i
-        run_hw(coloc.updated(f"seed={seed}", f"workload.rate_per_s={rate}"), where)
+        run_hw(calibration_run(coloc, coloc.seed + CALIBRATION_SEED + i, rate), where)
     costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in dirs])
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
@@ -523,7 +531,7 @@ def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float])
         return None
     where, seed = share_run(out, rates), disagg.seed + CALIBRATION_SEED + len(rates)
     shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
-    run_hw(disagg.updated(f"seed={seed}", f"workload.rate_per_s={max(rates)}"), where)
+    run_hw(calibration_run(disagg, seed, max(rates)), where)
     return where
 
 
@@ -736,6 +744,11 @@ def start_parts(summary: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+# what an experiment may change between a validate and its --resume: where it was loaded from,
+# and where its servers keep their weights (the same weights either way)
+STAGE_FREE: dict[str, Any] = {"base_dir": True, "hw": {"weight_cache"}}
+
+
 def record_options(out: Path, paths: Sequence[Path], opts: Options) -> None:
     """Write what decides a validate run's stages to `out/validate.json`: the experiments as
     given (before `prepare`, whose CPU device is measured anew each time) and the options;
@@ -743,7 +756,7 @@ def record_options(out: Path, paths: Sequence[Path], opts: Options) -> None:
     naming what differs."""
     stages = asdict(opts) | {"resume": None, "sim_overrides": None}  # neither changes a stage
     stages["experiments"] = [
-        load_experiment(path).model_dump(mode="json", exclude={"base_dir"}) for path in paths
+        load_experiment(path).model_dump(mode="json", exclude=STAGE_FREE) for path in paths
     ]
     record = json.loads(json.dumps(stages))  # as validate.json holds it: lists, not tuples
     path = out / "validate.json"

@@ -35,6 +35,7 @@ from disagg.fidelity import (
 )
 from disagg.validate import (
     PASS_COLUMNS,
+    calibration_run,
     chunk_offsets,
     loop_costs,
     own_host,
@@ -377,6 +378,13 @@ def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
     assert start_parts({"node_settings": {"colocated0": {"cores": "0,1"}}}) == ""  # older runs
 
 
+def test_a_calibration_run_has_a_workload_of_its_own_and_the_runs_weights() -> None:
+    exp = load_experiment(TINY).updated("seed=4")
+    run = calibration_run(exp, 9, 2.5)
+    assert (run.seed, run.weight_seed, run.workload.rate_per_s) == (9, 4, 2.5)
+    assert exp.weight_seed == 4 and exp.model.weight_seed is None
+
+
 def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     steps = pd.DataFrame(
         {
@@ -707,12 +715,17 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
 
     # --resume after a run cut short: the profile, the calibration and every hw run with its
-    # summary are kept; the run without one is done again, and only it
+    # summary are kept; the run without one is done again, and only it (with a weight cache
+    # now, which changes no stage)
     before = json.loads((out / "hw" / "disagg-20rps" / "summary.json").read_text())
     (out / "hw" / "colocated-60rps" / "summary.json").unlink()
     again = ["validate", str(TINY), *common, "--rates", "20,60", "--out", str(out)]
-    res = CliRunner().invoke(app, [*again, "--resume"])
+    cache = tmp_path / "weights"
+    res = CliRunner().invoke(app, [*again, "--resume"], env={"DISAGG_WEIGHT_CACHE": str(cache)})
     assert res.exit_code == 0, res.output
+    redone = json.loads((out / "hw" / "colocated-60rps" / "summary.json").read_text())
+    assert redone["node_settings"]["colocated0"]["weights_read"] == [0, 10]
+    assert len(list(cache.glob("*.bin"))) == 10
     for said in (
         f"profile: kept {(out / 'profile.csv').resolve()}",
         "serving loop (runs of their own at 20 and 60 req/s): ",

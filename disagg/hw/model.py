@@ -10,10 +10,10 @@ scores are taken against the latent, and W_UV is applied to the attended latent 
 experts plus shared ones (disagg.hw.moe).
 
 Weights are uniform with std 1/sqrt(fan_in) (output projections further / sqrt(2 layers)), so
-activations stay O(1) over any depth; norms are ones. They are drawn on the CPU in fixed chunks,
-each from its own torch.Generator seeded by (seed, tensor name, chunk), so they are identical
-in every process and for any thread count, then moved to the device (bf16 on CUDA, float32 on
-CPU). RoPE is the plain rotate-half form with theta 500000 (no Llama-3.1 frequency scaling).
+activations stay O(1) over any depth; norms are ones. They are drawn on the CPU, identical in
+every process (disagg.hw.weights, which can also keep them in a directory for the next one),
+then moved to the device (bf16 on CUDA, float32 on CPU). RoPE is the plain rotate-half form
+with theta 500000 (no Llama-3.1 frequency scaling).
 
 With `tp` (disagg.hw.tp) the model is one rank of a tensor-parallel group: it draws the same
 full tensors and keeps its shard (query heads, its KV heads, its share of every MLP width, its
@@ -34,10 +34,7 @@ their group (`Seq.dp_rank`).
 from __future__ import annotations
 
 import math
-import os
-import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -51,11 +48,11 @@ from disagg.hw.cache import KVCache
 from disagg.hw.device import check_fits, default_dtype, resolve_device
 from disagg.hw.moe import MoE
 from disagg.hw.tp import Cut, TensorParallel, attention_cuts, lm_head_cut, swiglu_cuts
+from disagg.hw.weights import WeightMaker
 from disagg.models import ModelSpec
 
 ROPE_THETA = 500_000.0
 NORM_EPS = 1e-6
-CHUNK = 1 << 22  # elements per generator: the unit of determinism and of parallel work
 
 
 @dataclass
@@ -65,38 +62,6 @@ class ForwardOut:
 
     logits: torch.Tensor
     hidden: torch.Tensor
-
-
-class WeightMaker:
-    """Deterministic random tensors: chunk i of tensor `name` is drawn from seed (seed, name, i)."""
-
-    def __init__(self, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.seed, self.device, self.dtype = seed, device, dtype
-        self.pool = ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1))
-
-    def _chunk(self, name: str, i: int, n: int, bound: float) -> torch.Tensor:
-        key = zlib.crc32(f"{self.seed}/{name}/{i}".encode()) + (self.seed << 32)
-        g = torch.Generator().manual_seed(key & (2**63 - 1))
-        return torch.empty(n).uniform_(-bound, bound, generator=g).to(self.dtype)
-
-    def uniform(
-        self, name: str, shape: tuple[int, ...], std: float, cut: Cut | None = None
-    ) -> torch.Tensor:
-        """A tensor of `shape` with i.i.d. uniform entries of standard deviation `std`; with a
-        `cut`, only the part it keeps. The full tensor is drawn either way (on the CPU, so a
-        TP rank's device holds only its shard): every rank pays one full draw in CPU time and
-        the full tensor's bytes in host memory, one tensor at a time."""
-        total = math.prod(shape)
-        bound = std * math.sqrt(3.0)
-        starts = range(0, total, CHUNK)
-        parts = self.pool.map(
-            lambda s: self._chunk(name, s // CHUNK, min(CHUNK, total - s), bound), starts
-        )
-        full = torch.cat(list(parts)).view(shape)
-        return (full if cut is None else cut.apply(full)).to(self.device)
-
-    def ones(self, n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=self.dtype, device=self.device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -204,10 +169,12 @@ class Transformer:
         fused_ops: bool = True,
         tp: TensorParallel | None = None,
         moe: Literal["grouped", "reference"] = "grouped",
+        weight_cache: str | None = None,
     ) -> None:
         """`fused_ops`: FlashInfer's fused RMSNorm, SiLU-and-mul and in-place RoPE instead of
         torch's elementwise kernels, on CUDA (GQA models' RoPE; MLA keeps torch's). `moe`: how
-        MoE layers compute their experts (disagg.hw.moe).
+        MoE layers compute their experts (disagg.hw.moe). `weight_cache`: a directory that
+        keeps drawn weights for the next model of this seed (disagg.hw.weights).
 
         `tp`: this process is one rank of a tensor-parallel group and holds only its shard of
         the weights (docs/architecture.md, "Tensor parallelism in the hw model"); every rank of
@@ -224,7 +191,7 @@ class Transformer:
         self.heads = spec.heads // size  # query heads of this rank
         self.kv_heads = spec.kv_heads if tp is None else len(tp.kv_heads(spec))  # (GQA)
         check_fits(self.device, self.weight_bytes(), f"{spec.name} weights ({spec.layers} layers)")
-        w = WeightMaker(seed, self.device, self.dtype)
+        w = WeightMaker(seed, self.device, self.dtype, weight_cache)
         h = spec.hidden
         self.embed = w.uniform("embed", (spec.vocab, h), 1.0)
         self.moes: dict[int, MoE] = {}  # layer -> its experts (MoE layers only)
@@ -232,7 +199,8 @@ class Transformer:
         self.final_norm = w.ones(h)
         lm_cut = self.cuts.get("lm_head")
         self.lm_head = w.uniform("lm_head", (spec.vocab, h), h**-0.5, lm_cut)
-        w.pool.shutdown()
+        w.close()
+        self.weights_read = (w.read, w.read + w.drawn)  # tensors read from the cache, of all
         self.inv_freq = inv_freq(self.rope_dim, self.device)
 
     # ---- weights ---------------------------------------------------------------------------

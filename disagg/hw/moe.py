@@ -41,7 +41,7 @@ from disagg.hw.tp import Cut, TensorParallel, swiglu_cuts
 from disagg.models import ModelSpec
 
 if TYPE_CHECKING:
-    from disagg.hw.model import WeightMaker
+    from disagg.hw.weights import WeightMaker
 
 
 @dataclass(frozen=True)

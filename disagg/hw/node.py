@@ -164,6 +164,7 @@ class Server:
                 latency.held()
                 | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error}
                 | {"build_s": self.build_s, "capture_s": self.runner.capture_s}
+                | {"weights_read": list(self.model.weights_read)}
                 | {"warm_up_s": self.warm_up_s},
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,

@@ -123,13 +123,21 @@ def profile(
     mixed: Sequence[tuple[int, int, int]] = (),
     fused_ops: bool = True,
     decode_mix: Sequence[int] = (),
+    weight_cache: str | None = None,
 ) -> pd.DataFrame:
     """Step durations and host times over the grids, each `reduce` (default: the median) of
     its `repeats` times (see the module doc for the columns). `min` suits a shared CPU, where
     a run of the same shape is now and then stalled by other processes. `fused_ops`: the
-    model's FlashInfer elementwise kernels on CUDA (as the experiment's hw.latency.fused_ops)."""
+    model's FlashInfer elementwise kernels on CUDA (as the experiment's hw.latency.fused_ops).
+    `weight_cache`: where drawn weights are kept (as the experiment's hw.weight_cache)."""
     dev = resolve_device(device)
-    model = Transformer(spec.with_layers(layers), seed=seed, device=dev, fused_ops=fused_ops)
+    model = Transformer(
+        spec.with_layers(layers),
+        seed=seed,
+        device=dev,
+        fused_ops=fused_ops,
+        weight_cache=weight_cache,
+    )
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
     decode = [(c,) * b for b in decode_batch for c in decode_context]
     decode += [mix_contexts(decode_mix, b, seed) for b in decode_batch if decode_mix]

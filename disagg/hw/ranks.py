@@ -295,11 +295,12 @@ def rank_model(cfg: NodeConfig, exp: Experiment, tp: TensorParallel | None) -> T
     on the rank's device (`rank_devices`)."""
     return Transformer(
         exp.model.spec,
-        seed=exp.seed,
+        seed=exp.weight_seed,
         device=rank_device(cfg, exp, 0 if tp is None else tp.rank),
         fused_ops=exp.hw.latency.fused_ops,
         moe=exp.hw.moe,
         tp=tp,
+        weight_cache=exp.hw.weight_cache,
     )
 
 
