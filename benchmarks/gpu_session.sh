@@ -27,6 +27,11 @@
 # than one call goes on in the next with VALIDATE_ARGS="... --resume" (the same other flags).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
+# PYSPY=1 adds a py-spy sample of a colocated Llama run at the validate's top load (carry
+# py-spy's wheel in .whl; PYSPY_ARGS replaces the run's flags): pyspy_host.md says where each
+# pass's host time goes, by function and line (benchmarks/pyspy_host.py).
+# Servers keep the weights they draw in .weights/ (DISAGG_WEIGHT_CACHE; git ignores it, a warm
+# machine keeps it between calls), so each later server of the model and seed reads them.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
 set -uo pipefail
 P=${1:-0}; D=${2:-0}; OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
@@ -35,7 +40,7 @@ export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 # a warm machine keeps /tmp/site, with the kernels prebuilt into FlashInfer's package: keep it
 [ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD DISAGG_WEIGHT_CACHE=${DISAGG_WEIGHT_CACHE:-$PWD/.weights}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
@@ -81,6 +86,16 @@ fi
   "${SPREAD_EXP:-experiments/llama8b-h200.toml}" --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
   | tail -20 | tee -a "$LOG"
 cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
+if [ -n "${PYSPY:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
+  mkdir -p "$RUNS/pyspy"
+  timeout 300 /tmp/pyspy/bin/py-spy record --subprocesses --idle --nonblocking --format raw -r 250 \
+    -o "$RUNS/pyspy/raw.txt" -- python3 -m disagg.cli hw run experiments/llama8b-h200.toml \
+    --decode-device "cuda:$D" --out "$RUNS/pyspy/run" ${PYSPY_ARGS:---set workload.rate_per_s=9.52 \
+    --set workload.num_requests=128 --set hw.latency.cores_per_server=2} 2>&1 | tail -12 | tee -a "$LOG"
+  python3 benchmarks/pyspy_host.py "$RUNS/pyspy/raw.txt" --rate 250 --run "$RUNS/pyspy/run" \
+    --top 40 --out "$OUT/pyspy_host.md" 2>&1 | head -30 | tee -a "$LOG"
+fi
 if [ -n "${VALIDATE:-}" ]; then
   # what is left of the call (CALL_S, default 590 s) less 15 s for the tarball, at most
   # VALIDATE_TIMEOUT: a validate cut short still comes back, and goes on with --resume

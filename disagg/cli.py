@@ -405,7 +405,7 @@ def hw_run(
 ) -> None:
     """Run an experiment for real: a prefill and a decode process (or one colocated process)
     on local devices, the workload replayed in real time; writes the same tables as sim run.
-    Every flag sets a field of the experiment's [hw] (or [kv]) table, recorded in the run's
+    Every flag sets a field of the experiment's hw (or kv) table, recorded in the run's
     experiment.json."""
     _hw_missing()
     from disagg.config import check_context, load_experiment

@@ -294,3 +294,36 @@ def test_host_spread_runs_each_setting_each_round_and_profiles_before_the_round_
     assert (table.serving_s > 0).all() and (table.driver_cpu_s > 0).all()
     assert table.host_s.isna().all() and (table.driver == "not pinned").all()
     assert "Per round" in (out / "host_spread.md").read_text()
+
+
+def test_pyspy_host_tables_a_servers_samples_per_pass_by_function_and_line(
+    tmp_path: Path,
+) -> None:
+    """Two server stacks (3 + 1 samples) and the driver's (5, left out), over a run of 2
+    passes sampled at 100/s: each sample is 10 ms, so the loop's 4 are 20 ms a pass."""
+    start = 'process 7:"python3 -c spawn";<module> (<string>:1);serve (disagg/hw/serve.py:60)'
+    run = f"{start};Server.run (disagg/hw/node.py:148);Server.tick (disagg/hw/node.py:258)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        f"{run};Runner._step (disagg/hw/runner.py:358) 3\n"
+        f"{run};Control.recv (disagg/hw/control.py:90) 1\n"
+        'process 6:"disagg hw run";Driver.run (disagg/hw/driver.py:400) 5\n'
+    )
+    steps = tmp_path / "run"
+    steps.mkdir()
+    pd.DataFrame({"node": ["colocated0"] * 2, "duration_s": [0.01, 0.01]}).to_parquet(
+        steps / "steps.parquet"
+    )
+    done = _script("pyspy_host.py", str(raw), "--rate", "100", "--run", str(steps))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "# Server loop by py-spy: 4 samples at 100/s, 2 passes"
+    assert "| `Server.tick (disagg/hw/node.py)` | 20.000 | 100.0% |" in lines
+    assert "| `Runner._step (disagg/hw/runner.py)` | 15.000 | 75.0% |" in lines
+    assert "| `Runner._step (disagg/hw/runner.py:358)` | 15.000 | 75.0% |" in lines
+    assert "| `Control.recv (disagg/hw/control.py:90)` | 5.000 | 25.0% |" in lines
+    assert not any("serve (" in line or "Driver" in line for line in lines)
+    nothing = tmp_path / "none.txt"
+    nothing.write_text('process 6:"disagg hw run";Driver.run (disagg/hw/driver.py:400) 5\n')
+    done = _script("pyspy_host.py", str(nothing), "--rate", "100")
+    assert done.returncode == 1 and "no samples of a server's loop" in done.stderr
