@@ -733,14 +733,18 @@ def hw_dirs(out: Path, label: str, runs: int | None = None) -> list[Path]:
 
 
 def start_parts(summary: dict[str, Any]) -> str:
-    """What a hw run's servers spent starting, the slowest server's each: " (build 9.1 s,
-    graphs 1.2 s, warm-up 0.3 s)"; "" for a summary without the parts."""
+    """What a hw run's servers spent starting, the slowest server's each, and the weights the
+    server that read fewest read from hw.weight_cache: " (build 9.1 s, graphs 1.2 s, warm-up
+    0.3 s, weights read 0 of 291)"; "" for a summary without the parts."""
     nodes = summary.get("node_settings", {}).values()
     parts = [
         f"{what} {max(n.get(key) or 0.0 for n in nodes):.1f} s"
         for what, key in (("build", "build_s"), ("graphs", "capture_s"), ("warm-up", "warm_up_s"))
         if any(key in n for n in nodes)
     ]
+    read = [n["weights_read"] for n in nodes if "weights_read" in n]
+    if read:
+        parts.append(f"weights read {min(r for r, _ in read)} of {max(t for _, t in read)}")
     return f" ({', '.join(parts)})" if parts else ""
 
 

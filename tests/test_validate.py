@@ -375,6 +375,10 @@ def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
     }
     said = start_parts({"node_settings": nodes})
     assert said == " (build 9.1 s, graphs 1.2 s, warm-up 0.3 s)"
+    nodes["prefill0"]["weights_read"] = [0, 10]  # it drew them and kept them
+    nodes["decode0"]["weights_read"] = [10, 10]
+    said = start_parts({"node_settings": nodes})
+    assert said == " (build 9.1 s, graphs 1.2 s, warm-up 0.3 s, weights read 0 of 10)"
     assert start_parts({"node_settings": {"colocated0": {"cores": "0,1"}}}) == ""  # older runs
 
 
