@@ -2,13 +2,15 @@
 
 Every tensor is drawn on the CPU in fixed chunks, each from its own torch.Generator seeded by
 (seed, tensor name, chunk), so it is identical in every process and for any thread count. A
-Llama-3.1-8B takes a server 11-15 s to draw, and a validate starts a dozen servers of the same
-model and seed. With a cache directory (`hw.weight_cache`, `DISAGG_WEIGHT_CACHE`) the first
-process to draw a tensor writes its bytes there, and later ones map the file instead of drawing
-it again. A file is named by the tensor and a digest of everything its values depend on (seed,
-name, size, bound, dtype, chunk size), so it is only ever read back for the very same draw:
-the weights are bit for bit those drawn, cache or not. Files are written whole and then renamed,
-so a reader never sees a half-written one, and one of the wrong size is drawn and written again.
+full-size model takes a server seconds to draw (docs/results.md), and a validate starts a dozen
+servers of the same model and seed. With a cache directory (`hw.weight_cache`,
+`DISAGG_WEIGHT_CACHE`) the first process to draw a tensor writes its bytes there, and later
+ones map the file instead of drawing it again.
+
+A file is named by the tensor and a digest of everything its values depend on (seed, name,
+size, bound, dtype, chunk size), so it is only ever read back for the very same draw: the
+weights are bit for bit those drawn, cache or not. Files are written whole and then renamed, so
+a reader never sees a half-written one, and one of the wrong size is drawn and written again.
 The cache leaves SPARE_BYTES of its disk free: to make room for a new tensor it removes the
 files least recently used, never one this model uses. A cache that cannot be written (a
 read-only directory, a disk too small) is said once and left alone: the run goes on drawing.
@@ -126,18 +128,19 @@ class WeightMaker:
         """Remove kept files, least recently used first, until `nbytes` more leave SPARE_BYTES
         of the `free` bytes free; OSError if this model's own files would have to go too."""
         assert self.cache is not None
+        if free >= nbytes + SPARE_BYTES:
+            return
         kept = []
         for f in self.cache.glob("*.bin"):
             with contextlib.suppress(FileNotFoundError):  # another process may remove it
                 if f not in self.mine:
                     kept.append((f.stat().st_mtime, f.stat().st_size, f))
         for _, size, f in sorted(kept):
-            if free >= nbytes + SPARE_BYTES:
-                break
             f.unlink(missing_ok=True)
             free += size
-        if free < nbytes + SPARE_BYTES:
-            raise OSError(f"{nbytes} bytes more would leave less than {SPARE_BYTES} free")
+            if free >= nbytes + SPARE_BYTES:
+                return
+        raise OSError(f"{nbytes} bytes more would leave less than {SPARE_BYTES} free")
 
     def _itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
