@@ -29,6 +29,9 @@ class LatencyConfig(_Frozen):
     spin: bool = False
     # an idle decoder plans a request's first decode pass when it hands the request to prefill
     plan_ahead: bool = True
+    # a server plans its next decode pass while this one runs on the GPU (the same rows one
+    # token on, less those it finishes), and uses the plan if that is the next pass
+    overlap: bool = False
     # a prefill posts a pass's metadata when its last layer is seen, ordered after the pass on
     # the wire (the cuda wire's copy stream waits on an event), instead of after a host sync
     meta_in_stream: bool = False
@@ -98,6 +101,7 @@ class HwConfig(_Frozen):
 ENVIRONMENT: dict[str, str] = {
     "DISAGG_SPIN": "hw.latency.spin",
     "DISAGG_PLAN_AHEAD": "hw.latency.plan_ahead",
+    "DISAGG_OVERLAP": "hw.latency.overlap",
     "DISAGG_META_IN_STREAM": "hw.latency.meta_in_stream",
     "DISAGG_FUSED_OPS": "hw.latency.fused_ops",
     "DISAGG_MOE": "hw.moe",

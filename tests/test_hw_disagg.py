@@ -229,14 +229,14 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: boo
             "layerwise",
             {"spin": True, "cpu_latency_us": 1, "cores_per_server": 1, "driver_cores": 1},
         ),
-        ("HND", 8, "parallel", "whole", {"meta_in_stream": True}),
+        ("HND", 8, "parallel", "whole", {"meta_in_stream": True, "overlap": True}),
     ],
     ids=[
         "HND-chunked",
         "NHD-whole-prompt",
         "HND-chunked-parallel-handoff",
         "servers-spin",
-        "parallel-whole-request-posts-in-stream",
+        "parallel-whole-request-posts-in-stream-overlap",
     ],
 )
 def test_disaggregated_equals_colocated(
@@ -251,8 +251,8 @@ def test_disaggregated_equals_colocated(
     """Under parallel handoff the driver sends each request to the prefill server too, which
     starts before the decoder's pages are known; the pages and metadata reach the decoder all
     the same. So they do with the latency settings ([hw.latency]): servers polling without
-    sleeping, and a pass's last posts made before the host waits for its end (ordered after it
-    on the wire)."""
+    sleeping, a pass's last posts made before the host waits for its end (ordered after it
+    on the wire), and the decoder asking for its next pass's plan while a pass runs."""
     model, reference = colocated
     data = experiment(model, "disagg", layout, budget, handoff)
     data["transfer"]["policy"] = policy

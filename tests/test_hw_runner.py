@@ -135,8 +135,9 @@ def test_plan_ahead_is_a_no_op_without_graphs() -> None:
 @gpu
 @pytest.mark.gpu
 def test_gpu_plan_ahead_only_replays_its_graph_and_gives_the_same_logits() -> None:
-    """A step of exactly the batch planned ahead skips planning and matches a runner that
-    planned as usual; a plan made for another batch is not used (the step plans its own)."""
+    """A step of the rows planned ahead skips planning and matches a runner that planned as
+    usual, its own tokens written where the plan had others; a plan made for other rows (here
+    one position off) is not used (the step plans its own)."""
     m = Transformer(small_gqa(), seed=4, device="cuda")
     a, b = (Runner(m, m.new_cache(24, PAGE), graph_batches=(1,)) for _ in range(2))
     prompt = PROMPTS[0]
@@ -149,7 +150,11 @@ def test_gpu_plan_ahead_only_replays_its_graph_and_gives_the_same_logits() -> No
     assert a.plan_ahead([Seq.of([8], len(prompt) + 1, _pages(0))])  # token 8 planned ...
     other = [Seq.of([9], len(prompt) + 1, _pages(0))]  # ... token 9 run
     torch.testing.assert_close(a.step(other).logits, b.step(other).logits, atol=0, rtol=0)
-    assert a.planned_ahead == 1
+    assert a.planned_ahead == 2
+    assert a.plan_ahead([Seq.of([8], len(prompt) + 3, _pages(0))])  # a position off
+    other = [Seq.of([9], len(prompt) + 2, _pages(0))]
+    torch.testing.assert_close(a.step(other).logits, b.step(other).logits, atol=0, rtol=0)
+    assert a.planned_ahead == 2
 
 
 def test_a_decode_step_replays_the_smallest_graph_that_holds_it() -> None:

@@ -112,8 +112,9 @@ class Attention(ABC):
         self.shape = shape
 
     @abstractmethod
-    def plan(self, meta: BatchMeta) -> None:
-        """Prepare for a step described by `meta` (host-side work only)."""
+    def plan(self, meta: BatchMeta, staged: bool = False) -> None:
+        """Prepare for a step described by `meta` (host-side work only). `staged`: a pass may be
+        running on the device, which no copy of the plan's may wait for."""
 
     @abstractmethod
     def run(
@@ -211,7 +212,7 @@ def error_against_reference(
 class TorchAttention(Attention):
     """The float32 reference: gathers each sequence's pages and runs dense causal attention."""
 
-    def plan(self, meta: BatchMeta) -> None:
+    def plan(self, meta: BatchMeta, staged: bool = False) -> None:
         self._meta = meta
         self._pages: list[torch.Tensor] = []
         self._device: torch.device | None = None
@@ -325,11 +326,17 @@ class FlashInferAttention(Attention):
             kv_len_arr=self._buf(b),
         )
 
-    def plan(self, meta: BatchMeta) -> None:
+    def plan(self, meta: BatchMeta, staged: bool = False) -> None:
         sh = self.shape
         if self.graph_batch is not None and (not meta.is_decode or meta.batch != self.graph_batch):
             raise ConfigError(f"graph attention is planned for {self.graph_batch} decode rows only")
         qo, kv_ptr, idx, kv_lens, last_page_len = plan_tensors(meta)
+        if staged:  # a copy from pageable memory waits for the stream: pinned ones do not, and
+            # FlashInfer copies the page list without waiting only from the device
+            qo, kv_ptr, kv_lens, last_page_len = (
+                t.pin_memory() for t in (qo, kv_ptr, kv_lens, last_page_len)
+            )
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
         dtype = self.dtype
         if sh.mla:
             self._mla.plan(

@@ -14,6 +14,7 @@ from disagg.core import messenger as m
 from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole
+from disagg.core.scheduler import steps_to_finish
 from disagg.core.sharding import TransferPlan
 from disagg.errors import ProtocolError
 from disagg.hw.batch import Seq
@@ -68,6 +69,18 @@ class GeneratingServer(Server):
         last = out[-1] if out else r.prompt[-1]
         start = r.prompt_tokens - 1 + len(out)
         return Seq.decode(last, start, self.pool.pages_of(r.id), self.group(r.id))
+
+    def next_rows(self, decodes: list[Request], seqs: list[Seq]) -> list[Seq]:
+        """With hw.latency.overlap, the pass after the one of `decodes` (their rows `seqs`) if
+        nothing joins it: each row this pass does not finish, one position on (its token is not
+        sampled yet: 0 in the plan, written when the plan is used); none without overlap."""
+        if not self.hw.latency.overlap:
+            return []
+        return [
+            Seq((0,), s.start + 1, s.pages, None, s.dp_rank)
+            for r, s in zip(decodes, seqs, strict=True)
+            if steps_to_finish(r, 1) > 1
+        ]
 
     def pass_ran(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Keep the pass's rows and logits for `finished` (until the next pass)."""
@@ -192,7 +205,8 @@ class DecodeServer(GeneratingServer):
         if batch.empty:
             return False
         start = self.now()
-        res = self.runner.step([self.decode_seq(r) for r in batch.decodes], sample=True)
+        seqs = [self.decode_seq(r) for r in batch.decodes]
+        res = self.runner.step(seqs, sample=True, then=self.next_rows(batch.decodes, seqs))
         assert res.tokens is not None
         for i, (r, tok) in enumerate(zip(batch.decodes, res.tokens, strict=True)):
             self.outputs[r.id].append(tok)
@@ -241,8 +255,10 @@ class ColocatedServer(GeneratingServer):
             )
             for c in batch.chunks
         ]
-        seqs += [self.decode_seq(r) for r in batch.decodes]
-        res = self.runner.step(seqs, sample=True)
+        rows = [self.decode_seq(r) for r in batch.decodes]
+        alone = not batch.chunks and not len(self.role.scheduler.waiting)  # no prompt to come
+        then = self.next_rows(batch.decodes, rows) if alone else []
+        res = self.runner.step([*seqs, *rows], sample=True, then=then)
         assert res.tokens is not None
         for i, c in enumerate(batch.chunks):
             if c.last:

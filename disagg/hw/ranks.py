@@ -307,16 +307,18 @@ def rank_model(cfg: NodeConfig, exp: Experiment, tp: TensorParallel | None) -> T
 class LeaderRunner(Runner):
     """The leader's runner: each pass goes to the followers first, then runs here too."""
 
-    def step(self, batch: Sequence[Seq], *, sample: bool = False) -> StepOutput:
+    def step(
+        self, batch: Sequence[Seq], *, sample: bool = False, then: Sequence[Seq] = ()
+    ) -> StepOutput:
         tp = self.model.tp
         assert tp is not None
         try:
             send_pass(tp, batch)
-            return super().step(batch, sample=sample)
+            return super().step(batch, sample=sample, then=then)
         except RuntimeError as e:  # gloo's word for a peer that left
             raise DisaggError(f"a rank of this node's {tp.size} left its group: {e}") from e
 
-    def plan_ahead(self, batch: Sequence[Seq]) -> bool:
+    def plan_ahead(self, batch: Sequence[Seq], in_flight: bool = False) -> bool:
         return False  # the followers would not have the plan
 
     def stop_followers(self) -> None:

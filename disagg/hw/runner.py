@@ -162,14 +162,30 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=runner.graph_pool):
             self.out = runner.model.forward_tensors(self.x, cache, self.attn, runner.counter.bump)
 
-    def prepare(self, seqs: Sequence[Seq]) -> None:
-        """Plan attention and copy the inputs of `seqs` (padded) into the graph's buffers."""
+    def prepare(self, seqs: Sequence[Seq], in_flight: bool = False) -> None:
+        """Plan attention and copy the inputs of `seqs` (padded) into the graph's buffers.
+        `in_flight`: a pass runs on the device; the copies queue behind it, none waits for it."""
         cache = self.runner.cache
         rows = [*seqs, *[self.pad] * (self.batch - len(seqs))]
         meta = BatchMeta.of(rows, cache.page_size, cache.num_pages)
-        self.attn.plan(meta)
+        self.attn.plan(meta, staged=in_flight)
         host = torch.from_numpy(StepTensors.pack(rows, meta)).pin_memory()
         self.packed.copy_(host, non_blocking=True)
+
+    def take(self, planned: Sequence[Seq], seqs: Sequence[Seq]) -> bool:
+        """Whether `seqs` are the rows `planned` (positions, pages, groups), their tokens aside;
+        if so, their tokens are written into the graph's inputs where they differ (a plan made
+        while the pass before ran lacks the tokens that pass samples)."""
+        if len(planned) != len(seqs) or any(
+            (p.start, p.pages, p.dp_rank, p.hidden_at, len(p.tokens))
+            != (s.start, s.pages, s.dp_rank, s.hidden_at, len(s.tokens))
+            for p, s in zip(planned, seqs, strict=True)
+        ):
+            return False
+        tokens = [s.tokens[0] for s in seqs]
+        if tokens != [p.tokens[0] for p in planned]:
+            self.packed[: len(seqs)].copy_(torch.tensor(tokens, dtype=self.packed.dtype))
+        return True
 
     def replay(self, n: int) -> ForwardOut:
         """Run the captured step; the first `n` rows are the real sequences."""
@@ -282,10 +298,14 @@ class Runner:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def step(self, batch: Sequence[Seq], *, sample: bool = False) -> StepOutput:
-        """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`)."""
+    def step(
+        self, batch: Sequence[Seq], *, sample: bool = False, then: Sequence[Seq] = ()
+    ) -> StepOutput:
+        """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`).
+        `then`: the decode step expected next, planned ahead (`plan_ahead`) while this one runs
+        on the device, before its tokens are read."""
         with on_device(self.device):  # its streams, graphs and kernels, whatever is current
-            return self._step(batch, sample)
+            return self._step(batch, sample, then)
 
     def warm_up(self, tokens: int, caches: Sequence[KVCache] = ()) -> None:
         """Run one eager pass of a prompt of `tokens` tokens (at most what the cache holds) over
@@ -305,24 +325,25 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def plan_ahead(self, batch: Sequence[Seq]) -> bool:
+    def plan_ahead(self, batch: Sequence[Seq], in_flight: bool = False) -> bool:
         """Prepare the decode step of `batch` now (attention plan, inputs in its graph's
-        buffers), so that the next step, if it is of exactly this batch, only replays the
-        graph. The plan reads page numbers and lengths, not the pages: a decoder with nothing
-        to run plans a request's first pass while its KV is still inbound, which takes the
-        planning's host time off its TTFT.
+        buffers), so that the next step, if it is of these rows, only replays the graph (after
+        writing its tokens, where they differ from those planned). The plan reads page numbers
+        and lengths, not the pages: a decoder with nothing to run plans a request's first pass
+        while its KV is still inbound, which takes the planning's host time off its TTFT; and
+        with `in_flight` (a step's `then`), the next pass is planned while this one runs.
         False (nothing done) where the step would not replay a graph."""
         graph = self._graph_for(batch)
         if graph is None:
             return False
         with on_device(self.device):
-            self._prepare(graph, batch)
+            self._prepare(graph, batch, in_flight)
         self._ahead = (graph, tuple(batch))
         return True
 
-    def _prepare(self, graph: _DecodeGraph, batch: Sequence[Seq]) -> None:
+    def _prepare(self, graph: _DecodeGraph, batch: Sequence[Seq], in_flight: bool = False) -> None:
         self._wait_staged()
-        graph.prepare(batch)
+        graph.prepare(batch, in_flight)
         self._mark_staged()
 
     def _wait_staged(self) -> None:
@@ -331,13 +352,13 @@ class Runner:
             # host-to-device copy may not have read yet: wait until it has (not for the step).
             self._staged.synchronize()
 
-    def _step(self, batch: Sequence[Seq], sample: bool) -> StepOutput:
+    def _step(self, batch: Sequence[Seq], sample: bool, then: Sequence[Seq]) -> StepOutput:
         before = self.steps * self.model.spec.layers
         group = self.model.group_rows(batch, self.cache)  # DP attention: eager
         graph = self._graph_for(batch) if group is None else None
         ahead, self._ahead = self._ahead, None  # any step uses up a plan made ahead
         if graph is not None:
-            if ahead is not None and ahead[0] is graph and ahead[1] == tuple(batch):
+            if ahead is not None and ahead[0] is graph and graph.take(ahead[1], batch):
                 self.planned_ahead += 1
             else:
                 self._prepare(graph, batch)
@@ -357,5 +378,7 @@ class Runner:
                     x, self.cache, self.attn, self.counter.bump, group=group
                 )
         self.steps += 1
+        if then:  # host work while the device runs this step: its copies queue behind it
+            self.plan_ahead(then, in_flight=True)
         tokens = out.logits.argmax(-1).tolist() if sample else None
         return StepOutput(out.logits, out.hidden, tokens, before)
