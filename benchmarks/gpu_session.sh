@@ -93,6 +93,7 @@ if [ -n "${PYSPY:-}" ]; then
     -o "$RUNS/pyspy/raw.txt" -- python3 -m disagg.cli hw run experiments/llama8b-h200.toml \
     --decode-device "cuda:$D" --out "$RUNS/pyspy/run" ${PYSPY_ARGS:---set workload.rate_per_s=9.52 \
     --set workload.num_requests=128 --set hw.latency.cores_per_server=2} 2>&1 | tail -12 | tee -a "$LOG"
+  pkill -f "disagg.cli hw run" && echo "py-spy left its run behind: stopped" | tee -a "$LOG"
   python3 benchmarks/pyspy_host.py "$RUNS/pyspy/raw.txt" --rate 250 --run "$RUNS/pyspy/run" \
     --top 40 --out "$OUT/pyspy_host.md" 2>&1 | head -30 | tee -a "$LOG"
 fi
