@@ -29,7 +29,9 @@
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # PYSPY=1 adds a py-spy sample of a colocated Llama run at the validate's top load (carry
 # py-spy's wheel in .whl; PYSPY_ARGS replaces the run's flags): pyspy_host.md says where each
-# pass's host time goes, by function and line (benchmarks/pyspy_host.py).
+# pass's host time goes, by function and line (benchmarks/pyspy_host.py); and host_pass.csv,
+# a decode pass's prepare by batch, FlashInfer's plan with the device idle, behind a running
+# kernel, and staged as hw.latency.overlap plans (benchmarks/host_pass.py).
 # Servers keep the weights they draw in .weights/ (DISAGG_WEIGHT_CACHE; git ignores it, a warm
 # machine keeps it between calls), so each later server of the model and seed reads them.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
@@ -96,6 +98,8 @@ if [ -n "${PYSPY:-}" ]; then
   pkill -f "disagg.cli hw run" && echo "py-spy left its run behind: stopped" | tee -a "$LOG"
   python3 benchmarks/pyspy_host.py "$RUNS/pyspy/raw.txt" --rate 250 --run "$RUNS/pyspy/run" \
     --top 40 --out "$OUT/pyspy_host.md" 2>&1 | head -30 | tee -a "$LOG"
+  timeout 120 python3 benchmarks/host_pass.py --device "cuda:$D" --out "$OUT" 2>&1 | tail -8 \
+    | tee -a "$LOG"
 fi
 if [ -n "${VALIDATE:-}" ]; then
   # what is left of the call (CALL_S, default 590 s) less 15 s for the tarball, at most

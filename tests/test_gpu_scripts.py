@@ -327,3 +327,17 @@ def test_pyspy_host_tables_a_servers_samples_per_pass_by_function_and_line(
     nothing.write_text('process 6:"disagg hw run";Driver.run (disagg/hw/driver.py:400) 5\n')
     done = _script("pyspy_host.py", str(nothing), "--rate", "100")
     assert done.returncode == 1 and "no samples of a server's loop" in done.stderr
+
+
+def test_host_pass_times_each_batch_on_its_pages_and_plans_only_on_a_gpu(tmp_path: Path) -> None:
+    """Contexts of 15 tokens: each row's 16th token fills one page of 16, so batches of 1 and
+    3 are on 1 and 3 pages; on the CPU there is no plan to time."""
+    done = _script(
+        "host_pass.py", "--batches", "1,3", "--contexts", "15,15", "--repeats", "3",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "host_pass.csv")
+    assert list(table.columns) == ["batch", "pages", "host_us", "host_p90_us"]
+    assert list(table.batch) == [1, 3] and list(table.pages) == [1, 3]
+    assert (table.host_us > 0).all() and (table.host_p90_us >= table.host_us).all()
