@@ -109,6 +109,7 @@ def test_gpu_a_pass_planned_while_the_one_before_ran_gives_the_same_logits() -> 
     prompts = [[5, 9, 2, 7, 7, 1, 30, 4, 8], [11, 3, 6], [40, 41, 42, 43, 44, 45, 46]]
     pages = [tuple(range(16 * i, 16 * i + 16)) for i in range(3)]
     for r in (a, b):
+        r.capture()  # as a server does at start: no capture while a pass runs
         r.step([Seq.of(p, 0, pages[i]) for i, p in enumerate(prompts)])
     tokens = [[7], [8], [9]]
     for step in range(5):
