@@ -264,11 +264,15 @@ class Runner:
             self.capture_s += time.perf_counter() - began
         return self._graphs.get(batch)
 
-    def _graph_for(self, batch: Sequence[Seq]) -> _DecodeGraph | None:
+    def _graph_for(self, batch: Sequence[Seq], capture: bool = True) -> _DecodeGraph | None:
+        """The graph a decode pass of `batch` replays: captured now if need be (`capture`), or
+        only one captured before."""
         if any(len(s.tokens) != 1 for s in batch):  # not a decode pass
             return None
         size = graph_batch_for(self.graph_batches, len(batch))
-        return None if size is None else self._graph(size, on_demand=True)
+        if size is None:
+            return None
+        return self._graph(size, on_demand=True) if capture else self._graphs.get(size)
 
     def _mark_staged(self) -> None:
         if self.device.type == "cuda":
@@ -332,8 +336,9 @@ class Runner:
         and lengths, not the pages: a decoder with nothing to run plans a request's first pass
         while its KV is still inbound, which takes the planning's host time off its TTFT; and
         with `in_flight` (a step's `then`), the next pass is planned while this one runs.
-        False (nothing done) where the step would not replay a graph."""
-        graph = self._graph_for(batch)
+        False (nothing done) where the step would not replay a graph, or, in flight, one not
+        captured yet (no graph is captured while a pass runs)."""
+        graph = self._graph_for(batch, capture=not in_flight)
         if graph is None:
             return False
         with on_device(self.device):
