@@ -331,19 +331,20 @@ class FlashInferAttention(Attention):
         if self.graph_batch is not None and (not meta.is_decode or meta.batch != self.graph_batch):
             raise ConfigError(f"graph attention is planned for {self.graph_batch} decode rows only")
         qo, kv_ptr, idx, kv_lens, last_page_len = plan_tensors(meta)
-        if staged:  # a copy from pageable memory waits for the stream: pinned ones do not, and
-            # FlashInfer copies the page list without waiting only from the device
-            qo, kv_ptr, kv_lens, last_page_len = (
-                t.pin_memory() for t in (qo, kv_ptr, kv_lens, last_page_len)
-            )
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            # staged: a copy from pageable memory waits for the stream, a pinned one does not
+            return t.pin_memory() if staged else t
+
+        if staged:  # FlashInfer copies the page list without waiting only from the device
             idx = idx.pin_memory().to(self.device, non_blocking=True)
         dtype = self.dtype
         if sh.mla:
             self._mla.plan(
-                qo,
-                kv_ptr,
+                host(qo),
+                host(kv_ptr),
                 idx,
-                kv_lens,
+                host(kv_lens),
                 sh.heads,
                 sh.head_dim,
                 sh.rope_dim,
@@ -354,7 +355,7 @@ class FlashInferAttention(Attention):
                 dtype,
             )
             return
-        pages = (kv_ptr, idx, last_page_len)
+        pages = (host(kv_ptr), idx, host(last_page_len))
         heads = (sh.heads, sh.kv_heads, sh.head_dim, sh.page_size)
         types = {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": sh.sm_scale}
         if meta.is_decode:

@@ -77,7 +77,7 @@ class GeneratingServer(Server):
         if not self.hw.latency.overlap:
             return []
         return [
-            Seq((0,), s.start + 1, s.pages, None, s.dp_rank)
+            Seq.decode(0, s.start + 1, s.pages, s.dp_rank)
             for r, s in zip(decodes, seqs, strict=True)
             if steps_to_finish(r, 1) > 1
         ]

@@ -290,15 +290,22 @@ class Transformer:
         self, batch: Sequence[Seq], cache: KVCache, attention: Attention | None = None
     ) -> ForwardOut:
         """Append the batch's new tokens to `cache` and return last-token logits (eager)."""
-        meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
         attn = attention or TorchAttention(self.attn_shape(cache.page_size, cache.layout.layout))
         group = self.group_rows(batch, cache)
+        x = self.planned_inputs(batch, cache, attn, group)
+        return self.forward_tensors(x, cache, attn, group=group)
+
+    def planned_inputs(
+        self, batch: Sequence[Seq], cache: KVCache, attn: Attention, group: GroupRows | None
+    ) -> StepTensors:
+        """Plan `attn` for an eager step of `batch` (under DP attention, for this rank's
+        `group` of it, which may hold none of it) and build the step's inputs."""
+        meta = BatchMeta.of(batch, cache.page_size, cache.num_pages)
         if group is None:
             attn.plan(meta)
         elif group.meta is not None:
             attn.plan(group.meta)
-        x = StepTensors.build(batch, meta, self.device)
-        return self.forward_tensors(x, cache, attn, group=group)
+        return StepTensors.build(batch, meta, self.device)
 
     def group_rows(self, batch: Sequence[Seq], cache: KVCache) -> GroupRows | None:
         """This rank's attention group's part of `batch` under DP attention (None without)."""

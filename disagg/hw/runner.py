@@ -371,12 +371,7 @@ class Runner:
                 out = graph.replay(len(batch))
         else:
             self._wait_staged()
-            meta = BatchMeta.of(batch, self.cache.page_size, self.cache.num_pages)
-            if group is None:
-                self.attn.plan(meta)
-            elif group.meta is not None:  # this rank attends its attention group's sequences
-                self.attn.plan(group.meta)
-            x = StepTensors.build(batch, meta, self.device)
+            x = self.model.planned_inputs(batch, self.cache, self.attn, group)
             self._mark_staged()
             with self._timing():
                 out = self.model.forward_tensors(
