@@ -4,13 +4,13 @@ what the profile cost model says.
     python benchmarks/mixed_context.py VALIDATE_DIR [--profile CSV] [--host]
 
 For every pass with a prompt chunk in a validate directory's colocated runs (`hw/colocated-*`
-and the calibration runs), the decodes' context in all is rebuilt from the requests table:
-each request decoding at the pass's start holds its prompt plus one token for every pass
-with decodes since its first token. Against the cost model on the profile (the validate's
-own, or `--profile`) with the calibration's chunk offsets, a least-squares line gives the
-device time the passes took beyond it, per 10,000 tokens of context past the profile's mixed
-rows (the shortest prompt a decode), on the calibration runs and on the validation runs
-apart. Prints one line per group and the medians by context.
+and the calibration runs), the pass's shape comes from the steps table (rebuilt from the
+requests table where the table predates the shape columns: `with_context`). Against the
+cost model on the profile (the validate's own, or `--profile`) with the calibration's chunk
+offsets, a least-squares line gives the device time the passes took beyond it, per 10,000
+tokens of context past the profile's mixed rows (the shortest prompt a decode), on the
+calibration runs and on the validation runs apart. Prints one line per group and the
+medians by context.
 
 `--host` fits each of those runs' decode passes' host time (wall less device) instead, by
 least squares against their batch and their context: what a pass costs the server's Python
@@ -27,12 +27,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs
+from disagg.core.scheduler import chunk_attn_pairs
+from disagg.sim.costmodel import ProfileCost, StepShape
 
 
 def with_context(run: Path) -> pd.DataFrame:
-    """The run's steps table, by start, with `context`: the tokens its decodes hold in all."""
+    """The run's steps table, by start, with `context` (the tokens its decodes hold in all)
+    and `pairs` (its chunks' attention pairs): the table's own shape columns where it has
+    them; a table from before them has its decodes' context rebuilt from the requests table
+    (each request decoding at the pass's start holds its prompt, its first token and one more
+    for every pass with decodes since its first token) and its chunks read at no context."""
     steps = pd.read_parquet(run / "steps.parquet").sort_values("start_s", ignore_index=True)
+    if "decode_context" in steps:
+        return steps.assign(context=steps.decode_context, pairs=steps.prefill_attn_pairs)
     reqs = pd.read_parquet(run / "requests.parquet")
     with_decodes = steps[steps.decode_seqs > 0].start_s.to_numpy()
     context = []
@@ -42,8 +49,9 @@ def with_context(run: Path) -> pd.DataFrame:
         since = np.searchsorted(with_decodes, t) - np.searchsorted(
             with_decodes, on.first_token_s.to_numpy() - 1e-4
         )
-        context.append(float((on.prompt_tokens.to_numpy() + since).sum()))
-    return steps.assign(context=context)
+        context.append(float((on.prompt_tokens.to_numpy() + 1 + since).sum()))
+    pairs = [chunk_attn_pairs(0, int(n)) for n in steps.prefill_tokens]
+    return steps.assign(context=context, pairs=pairs)
 
 
 def passes(run: Path, cost: ProfileCost) -> pd.DataFrame:
@@ -52,7 +60,7 @@ def passes(run: Path, cost: ProfileCost) -> pd.DataFrame:
     rows = []
     for p in steps[steps.prefill_tokens > 0].itertuples():
         n, d, k = int(p.prefill_tokens), int(p.decode_seqs), p.context
-        shape = StepShape(n, chunk_attn_pairs(0, n), decode_seqs=d, decode_context=k)
+        shape = StepShape(n, p.pairs, decode_seqs=d, decode_context=k)
         model = cost.step_time(shape) - cost.host_s(True, d)  # the pass's device time
         rows.append((run.name, n, d, k, p.device_s * 1e3, model * 1e3))
     return pd.DataFrame(rows, columns=["run", "tokens", "decodes", "context", "hw_ms", "model_ms"])

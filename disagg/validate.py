@@ -65,6 +65,7 @@ from disagg.fidelity import (
     write_report,
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares
+from disagg.sim.costmodel import ProfileCost, StepShape, make_cost_model
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -402,10 +403,48 @@ def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
     """`[cost] profile_chunk_offsets` from serving runs' steps (`hw`, concatenated) and their
     replays' on the profile (`sim`): per range of chunk tokens of `pass_table`, its median
     tokens and the runs' median device time less the replays'. [] without device times (the
-    CPU)."""
+    CPU). For runs whose steps tables predate the passes' shapes (`pass_offsets`)."""
     t = pass_table(hw, sim)
     t = t[t.kind == "chunk"]
     return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
+
+
+SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")
+
+
+def has_shapes(steps: pd.DataFrame) -> bool:
+    """Whether every pass of `steps` with a prompt chunk says its shape (tables written before
+    the shape columns do not)."""
+    if not all(c in steps for c in SHAPE_COLUMNS):
+        return False
+    chunks = steps[steps.prefill_tokens > 0]
+    return bool(chunks[list(SHAPE_COLUMNS)].notna().all(axis=None))
+
+
+def pass_offsets(steps: pd.DataFrame, cost: ProfileCost) -> list[list[float]]:
+    """`[cost] profile_chunk_offsets` from serving runs' steps (concatenated; `has_shapes`),
+    pass by pass: each pass with a prompt chunk and a device time, less `cost`'s device time
+    for its shape (`cost` without chunk offsets); per range of chunk tokens of `pass_table`,
+    its median tokens and the passes' median difference. [] without device times (the CPU)."""
+    chunks = steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
+    if chunks.empty:
+        return []
+    beyond = chunks.device_s - [
+        cost.step_time(StepShape(int(n), pairs, int(d), k)) - cost.host_s(True, int(d))
+        for n, pairs, d, k in zip(
+            chunks.prefill_tokens,
+            chunks.prefill_attn_pairs,
+            chunks.decode_seqs,
+            chunks.decode_context,
+            strict=True,
+        )
+    ]
+    out = []
+    for lo, hi, last in _ranges(chunks.prefill_tokens, PASS_BINS):
+        tokens = chunks.prefill_tokens
+        pick = (tokens >= lo) & ((tokens <= hi) if last else (tokens < hi))
+        out.append([float(tokens[pick].median()), float(beyond[pick].median())])
+    return out
 
 
 def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
@@ -486,14 +525,22 @@ def fit_chunk_offsets(
     costs: dict[str, Any],
     sim_overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """`costs` with `profile_chunk_offsets` fitted on the serving runs in `dirs`, replayed on
-    the profile with the rest of `costs` (`DIR/replay`); as given, less any offsets, where the
-    runs have no device times (the CPU) or too few chunk passes. The offsets are what the
-    simulator leaves out of a chunk pass, so every replay fits them anew (`replay_all`)."""
+    """`costs` with `profile_chunk_offsets` fitted on the serving runs in `dirs`: pass by
+    pass against the profile with the rest of `costs` (`pass_offsets`), or, for runs whose
+    steps tables predate the passes' shapes, against their replays on it (`DIR/replay`,
+    `chunk_offsets`); as given, less any offsets, where the runs have no device times (the
+    CPU) or too few chunk passes. The offsets are what the simulator leaves out of a chunk
+    pass, so every replay fits them anew (`replay_all`)."""
     costs = {k: v for k, v in costs.items() if k != "profile_chunk_offsets"}
     runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
     if not any("device_s" in steps and steps.device_s.notna().any() for steps in runs):
         return costs
+    if all(map(has_shapes, runs)):
+        exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
+        cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
+        assert isinstance(cost, ProfileCost)
+        offsets = pass_offsets(pd.concat(runs, ignore_index=True), cost)
+        return costs | ({"profile_chunk_offsets": offsets} if offsets else {})
     for where in dirs:
         replay(where, [*sim_overrides, *profiled(profile_csv, costs)], where / "replay")
     replayed = [pd.read_parquet(where / "replay" / "steps.parquet") for where in dirs]

@@ -131,7 +131,8 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
 def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
     """Requests/s one colocated server of `exp` keeps up with by the profile, roughly: each
     request's prefill chunks, plus its share of decode passes at the full batch."""
-    from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs
+    from disagg.core.scheduler import chunk_attn_pairs
+    from disagg.sim.costmodel import ProfileCost, StepShape
 
     cost = ProfileCost(profile_csv)
     arrivals = _arrivals(exp)

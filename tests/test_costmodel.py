@@ -6,10 +6,11 @@ import pytest
 
 from disagg.config import CostConfig, GroupConfig, SpecConfig
 from disagg.core.metrics import steps_table
+from disagg.core.scheduler import chunk_attn_pairs
 from disagg.errors import ConfigError
 from disagg.hardware import H200_SXM
 from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, ModelSpec
-from disagg.sim.costmodel import ProfileCost, RooflineCost, StepShape, chunk_attn_pairs
+from disagg.sim.costmodel import ProfileCost, RooflineCost, StepShape
 
 COST = CostConfig()
 

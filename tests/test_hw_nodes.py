@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("zmq")
 
+from test_sim import held_and_pairs
+
 from disagg.config import build_experiment
 from disagg.errors import ConfigError
 from disagg.hw.driver import Driver, HwRun, run_hw
@@ -83,6 +85,15 @@ def placed(out: Path) -> pd.DataFrame:
     return req.reset_index(drop=True)
 
 
+def assert_shapes_hold_every_token(out: Path, disagg: bool) -> None:
+    """The steps table's shape columns (one row a pass here) hold what the simulator's do: the
+    tokens of every decode pass and the attention pairs of every prompt (`held_and_pairs`)."""
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert (steps.steps == 1).all()
+    got = (steps.decode_context.sum(), steps.prefill_attn_pairs.sum())
+    assert got == held_and_pairs(placed(out), disagg)
+
+
 def test_one_prefill_two_decodes_round_robin(reference: dict, tmp_path: Path) -> None:
     """The driver's round robin sends requests 0, 2, 4 to decode0 and 1, 3, 5 to decode1
     (arrival order is id order); the one prefill node serves them all, posting to both."""
@@ -99,6 +110,7 @@ def test_one_prefill_two_decodes_round_robin(reference: dict, tmp_path: Path) ->
     }
     xfers = pd.read_parquet(tmp_path / "1p2d" / "transfers.parquet")
     assert sorted(xfers.decode_node.value_counts().items()) == [(0, 3), (1, 3)]
+    assert_shapes_hold_every_token(tmp_path / "1p2d", disagg=True)
 
 
 def test_two_prefills_one_decode_the_decoder_routes(reference: dict, tmp_path: Path) -> None:
@@ -137,6 +149,7 @@ def test_two_colocated_nodes_round_robin(reference: dict, tmp_path: Path) -> Non
     assert_same_tokens(summary, state, reference)
     req = placed(tmp_path / "2c")
     assert list(req.decode_node) == list(req.prefill_node) == [0, 1, 0, 1, 0, 1]
+    assert_shapes_hold_every_token(tmp_path / "2c", disagg=False)
 
 
 def test_a_dead_decode_node_fails_only_its_own_requests(reference: dict, tmp_path: Path) -> None:

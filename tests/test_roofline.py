@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from disagg.config import CostConfig, GroupConfig, SpecConfig
+from disagg.core.scheduler import chunk_attn_pairs
 from disagg.core.workload import LengthDist, WorkloadConfig, generate
 from disagg.errors import ConfigError
 from disagg.hardware import H200_SXM
 from disagg.models import DEEPSEEK_V3, LLAMA_31_8B, LLAMA_31_70B, ModelSpec
-from disagg.sim.costmodel import RooflineCost, StepShape, chunk_attn_pairs
+from disagg.sim.costmodel import RooflineCost, StepShape
 
 GEMM = 989e12 * 0.7
 ATTN = 989e12 * 0.6

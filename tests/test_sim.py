@@ -11,6 +11,7 @@ from disagg.errors import ConfigError
 from disagg.hardware import get_nic
 from disagg.sim.clock import Clock
 from disagg.sim.cluster import Proc, Sim
+from disagg.sim.costmodel import StepShape
 from disagg.sim.gpu import SharedGPU
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -48,6 +49,36 @@ def test_every_experiment_completes_every_request_without_leaks(path: str) -> No
     passes = (steps.steps * steps.decode_seqs).sum()
     tps = sim.exp.spec.accepted_tokens_per_step
     assert passes * tps >= req.output_tokens.sum() - len(req) * tps
+
+
+def held_and_pairs(req: pd.DataFrame, disagg: bool) -> tuple[float, float]:
+    """What the passes of finished requests hold, over all of them: the tokens their decode
+    passes attend to and their prefill passes' attention pairs. A colocated request of P
+    prompt and T output tokens is prefilled whole and in T - 1 decode passes (its first token
+    comes with its prefill), of P + 1, ..., P + T - 1 tokens; a disaggregated one's prefill
+    node runs P - 1 tokens and its decode node the last in its first pass, of P, ..., P + T - 1."""
+    p, t = req.prompt_tokens - disagg, req.output_tokens - (not disagg)
+    return float((t * (p + 1) + t * (t - 1) / 2).sum()), float((p * (p + 1) / 2).sum())
+
+
+@pytest.mark.parametrize("path", ["llama8b-h200.toml", "tiny-disagg.toml"])
+def test_a_steps_row_gives_the_shape_its_passes_were_costed_at(path: str) -> None:
+    """Each one-pass row's shape columns, read back by the node's cost model, give the row's
+    duration; over all rows (a run of k passes holds k contexts, each the last's plus its
+    decodes) they hold every decode pass's tokens and every prompt's attention pairs."""
+    sim = simulate(path, "workload.duration_s=10")
+    req, steps, _ = tables(sim)
+    assert (req.status == "finished").all() and len(req) > 10
+    for row in steps[steps.steps == 1].itertuples():
+        shape = StepShape(
+            row.prefill_tokens, row.prefill_attn_pairs, row.decode_seqs, row.decode_context
+        )
+        assert sim.by_name[row.node].cost.step_time(shape) == pytest.approx(row.duration_s)
+    k, d = steps.steps, steps.decode_seqs
+    held = (k * steps.decode_context + d * k * (k - 1) / 2).sum()
+    want = held_and_pairs(req, sim.exp.cluster.mode == "disagg")
+    assert (held, steps.prefill_attn_pairs.sum()) == pytest.approx(want, rel=1e-12)
+    assert (steps.steps > 1).any() and (steps.prefill_tokens > 0).any()
 
 
 def test_same_seed_gives_identical_tables_and_another_seed_does_not() -> None:

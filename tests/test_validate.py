@@ -37,9 +37,11 @@ from disagg.validate import (
     PASS_COLUMNS,
     calibration_run,
     chunk_offsets,
+    has_shapes,
     loop_costs,
     own_host,
     pass_gaps,
+    pass_offsets,
     pass_table,
     start_parts,
 )
@@ -497,6 +499,60 @@ def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay(
     assert pass_table(hw.assign(device_s=math.nan), sim).empty
 
 
+def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_path: Path) -> None:
+    """Eight chunk passes of 100-800 tokens in four ranges of two, each after some cached
+    context and beside some decodes (their shapes in the steps table), took the profile's
+    device time for that shape + 10 / 5 / 0 / -3 ms: those are the offsets. The profile's
+    chunks cost more after context, so a fit that read every chunk at no context (or without
+    its decodes) would find others; a table without shapes has none to fit."""
+    from disagg.core.scheduler import chunk_attn_pairs
+    from disagg.sim.costmodel import ProfileCost, StepShape
+
+    rows = [
+        f"prefill,{n},1,{c},{0.01 + n * 1e-5 + c * 4e-6},0.001"
+        for n in (100, 1000)
+        for c in (0, 2000)
+    ]
+    rows += [
+        f"decode,{b},{b},{c},{0.005 + b * c * 1e-8},0.001" for b in (1, 8) for c in (100, 3000)
+    ]
+    csv = tmp_path / "profile.csv"
+    csv.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    cost = ProfileCost(csv, run_host=(0.001, 0.002, 0.0001))
+    tokens = [100, 200, 300, 400, 500, 600, 700, 800]
+    start = [0, 1500, 0, 900, 2000, 0, 300, 1000]
+    decodes = [0, 3, 1, 0, 5, 2, 0, 4]
+    context = [0.0, 3000.0, 400.0, 0.0, 9000.0, 2500.0, 0.0, 6000.0]
+    beyond = [0.01, 0.01, 0.005, 0.005, 0.0, 0.0, -0.003, -0.003]
+    pairs = [chunk_attn_pairs(c, n) for c, n in zip(start, tokens, strict=True)]
+    shapes = [StepShape(*x) for x in zip(tokens, pairs, decodes, context, strict=True)]
+    device = [
+        cost.step_time(x) - cost.host_s(True, d) + b
+        for x, d, b in zip(shapes, decodes, beyond, strict=True)
+    ]
+    steps = pd.DataFrame(
+        {
+            "prefill_tokens": [*tokens, 0],
+            "decode_seqs": [*decodes, 4],
+            "device_s": [*device, 0.006],
+            "prefill_attn_pairs": [*pairs, 0.0],
+            "decode_context": [*context, 800.0],
+        }
+    )
+    assert has_shapes(steps)
+    assert pass_offsets(steps, cost) == [
+        [150, pytest.approx(0.01)],
+        [350, pytest.approx(0.005)],
+        [550, pytest.approx(0.0, abs=1e-12)],
+        [750, pytest.approx(-0.003)],
+    ]
+    unread = steps.assign(prefill_attn_pairs=[chunk_attn_pairs(0, n) for n in [*tokens, 0]])
+    assert pass_offsets(unread, cost) != pass_offsets(steps, cost)
+    assert pass_offsets(steps.assign(device_s=math.nan), cost) == []  # the CPU
+    assert not has_shapes(steps.drop(columns="decode_context"))
+    assert not has_shapes(steps.assign(prefill_attn_pairs=math.nan))
+
+
 def test_log_grid_keeps_both_ends_without_repeats() -> None:
     assert log_grid(1, 16, 3) == (1, 4, 16)
     assert log_grid(1, 2, 5) == (1, 2)
@@ -862,10 +918,11 @@ def test_validate_refuses_bad_input_naming_it(args: list[str], said: str, tmp_pa
     assert said in " ".join(res.output.split()), res.output
 
 
-def test_chunk_offsets_are_fitted_on_the_runs_replays_without_stale_ones(tmp_path: Path) -> None:
+def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path) -> None:
     """Serving runs whose chunk passes (600 tokens, one request at a time) ran 5 ms longer on
     the device than the profile says: the offsets fitted on them are +5 ms, whatever offsets
-    the costs carried before; with the runs' own profile they are 0."""
+    the costs carried before; with the runs' own profile they are 0. So pass by pass, and on
+    the replays of a steps table without the passes' shapes."""
     from disagg.core.metrics import steps_table
     from disagg.sim.cluster import Sim
     from disagg.validate import fit_chunk_offsets
@@ -898,9 +955,16 @@ def test_chunk_offsets_are_fitted_on_the_runs_replays_without_stale_ones(tmp_pat
     steps_table(sim.rec).to_parquet(run / "steps.parquet")
     (run / "experiment.json").write_text(exp.model_dump_json())
     stale = {"profile_pass_overhead_s": 0.0, "profile_chunk_offsets": [[600.0, -0.1]]}
-    fitted = fit_chunk_offsets([run], plain, stale)
-    assert fitted["profile_pass_overhead_s"] == 0.0
-    assert [n for n, _ in fitted["profile_chunk_offsets"]] == [600.0]
-    assert [o for _, o in fitted["profile_chunk_offsets"]] == pytest.approx([0.005])
-    again = fit_chunk_offsets([run], slow, stale)["profile_chunk_offsets"]
-    assert [o for _, o in again] == pytest.approx([0.0], abs=1e-12)
+    old = tmp_path / "old"  # the same run, its steps table without the passes' shapes
+    old.mkdir()
+    steps = steps_table(sim.rec)
+    steps.drop(columns=["prefill_attn_pairs", "decode_context"]).to_parquet(old / "steps.parquet")
+    (old / "experiment.json").write_text(exp.model_dump_json())
+    for where in (run, old):  # pass by pass, and on the replays
+        fitted = fit_chunk_offsets([where], plain, stale)
+        assert fitted["profile_pass_overhead_s"] == 0.0
+        assert [n for n, _ in fitted["profile_chunk_offsets"]] == [600.0]
+        assert [o for _, o in fitted["profile_chunk_offsets"]] == pytest.approx([0.005])
+        again = fit_chunk_offsets([where], slow, stale)["profile_chunk_offsets"]
+        assert [o for _, o in again] == pytest.approx([0.0], abs=1e-12)
+    assert (old / "replay").exists() and not (run / "replay").exists()

@@ -8,6 +8,9 @@ Every run writes three tables and a summary:
   around the forward, so gaps where the GPU waited for an eager pass's launches count; NaN on
   CPU; the simulator models device time only, so there it is `duration_s`), and
   `duration_s - device_s` is host time outside the forward (planning, inputs, sampling);
+  `prefill_attn_pairs` and `decode_context` give the pass's shape as the cost models read it
+  (`disagg.sim.costmodel.StepShape`): its chunks' attention pairs and its decodes' tokens in
+  all (a run of passes: the first's), so a pass's time can be set against a model of it;
 - transfers: one row per request transfer (bytes, write operations, first post, last landing).
 A hw run adds `hops`: when each request's control messages left and arrived (`queue_parts`
 splits the queue by it).
@@ -45,6 +48,8 @@ STEP_COLUMNS = [
     "tokens",
     "prefill_tokens",
     "device_s",
+    "prefill_attn_pairs",
+    "decode_context",
 ]
 TRANSFER_COLUMNS = [
     "request_id",
@@ -87,10 +92,13 @@ class Recorder:
         tokens: int,
         prefill_tokens: int,
         device_s: float = math.nan,
+        prefill_attn_pairs: float = math.nan,
+        decode_context: float = math.nan,
     ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
         decoding sequences, tokens (prefill tokens + decode queries), prefill tokens;
-        `device_s`: the device's share of `duration_s` (see the module's docstring)."""
+        `device_s`: the device's share of `duration_s` (see the module's docstring);
+        `prefill_attn_pairs` and `decode_context` as `Batch`'s at the (first) pass."""
         self.steps.append(
             (
                 node,
@@ -103,6 +111,8 @@ class Recorder:
                 tokens,
                 prefill_tokens,
                 device_s,
+                prefill_attn_pairs,
+                decode_context,
             )
         )
 
@@ -116,16 +126,23 @@ class Recorder:
         steps: int = 1,
         decode_qo: int = 1,
         device_s: float = math.nan,
+        pairs: float | None = None,
+        context: float | None = None,
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
-        tokens into a pass (1 + draft tokens); `device_s` as in `step`."""
+        tokens into a pass (1 + draft tokens); `device_s` as in `step`; `pairs` and `context`:
+        the first pass's `prefill_attn_pairs` and `decode_context` (None: `batch`'s now, which
+        a caller that has not yet advanced its requests past these passes may leave)."""
         chunks, d = batch.chunks, len(batch.decodes)
         prefill = sum(c.tokens for c in chunks) if chunks else 0  # batch.prefill_tokens, inlined
         rows, tokens = len(chunks) + d, prefill + d * decode_qo
+        if pairs is None:
+            pairs = batch.prefill_attn_pairs if chunks else 0.0
+        if context is None:
+            context = batch.decode_context
         # the row of `step`, appended here: one per pass or run of passes
-        self.steps.append(
-            (node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
-        )
+        row = (node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
+        self.steps.append((*row, pairs, context))
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)

@@ -31,6 +31,11 @@ class Chunk:
     last: bool  # this chunk completes the request's prefill
 
 
+def chunk_attn_pairs(start: int, tokens: int) -> float:
+    """(query, key) pairs of a causal chunk of `tokens` tokens after `start` cached tokens."""
+    return tokens * start + tokens * (tokens + 1) / 2
+
+
 @dataclass(slots=True)
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
@@ -40,6 +45,16 @@ class Batch:
     def prefill_tokens(self) -> int:
         chunks = self.chunks
         return sum(c.tokens for c in chunks) if chunks else 0  # most batches have none
+
+    @property
+    def prefill_attn_pairs(self) -> float:
+        """The (query, key) pairs of its chunks' attention, all together."""
+        return sum(chunk_attn_pairs(c.start, c.tokens) for c in self.chunks)
+
+    @property
+    def decode_context(self) -> float:
+        """The tokens its decodes hold, all together: each one's prompt and output so far."""
+        return float(sum(r.prompt_tokens + int(r.generated) for r in self.decodes))
 
     @property
     def empty(self) -> bool:

@@ -43,7 +43,7 @@ from disagg.faults import (
 )
 from disagg.models import dtype_bytes
 from disagg.sim.clock import Clock
-from disagg.sim.costmodel import ProfileCost, StepShape, chunk_attn_pairs, make_cost_model
+from disagg.sim.costmodel import ProfileCost, StepShape, make_cost_model
 from disagg.sim.gpu import SharedGPU
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
@@ -221,27 +221,29 @@ class Node(Generic[R]):
         """The cost model's view of `batch`."""
         return StepShape(
             prefill_tokens=batch.prefill_tokens,
-            prefill_attn_pairs=sum(chunk_attn_pairs(c.start, c.tokens) for c in batch.chunks),
+            prefill_attn_pairs=batch.prefill_attn_pairs,
             decode_seqs=len(batch.decodes),
-            decode_context=float(sum(r.prompt_tokens + int(r.generated) for r in batch.decodes)),
+            decode_context=batch.decode_context,
         )
 
-    def record(self, kind: str, t0: float, steps: int, batch: Batch) -> None:
-        """One steps-table row for `steps` passes of `batch` that began at `t0`: their device
-        time is what the cost model's host time per pass leaves."""
+    def record(
+        self, kind: str, t0: float, steps: int, batch: Batch, pairs: float, context: float
+    ) -> None:
+        """One steps-table row for `steps` passes of `batch` that began at `t0`, the first of
+        them of `pairs` and `context` (StepShape's): their device time is what the cost model's
+        host time per pass leaves."""
         took = self.env._now - t0
         host = steps * self.cost.host_s(bool(batch.chunks), len(batch.decodes))
-        self.sim.rec.batch(
-            self.name, kind, t0, took, batch, steps, self.cost.decode_qo, took - host
-        )
+        qo = self.cost.decode_qo
+        self.sim.rec.batch(self.name, kind, t0, took, batch, steps, qo, took - host, pairs, context)
 
     def _decode_run(
         self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
-    ) -> Generator[Any, Any, tuple[int, float]]:
+    ) -> Generator[Any, Any, tuple[int, float, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight), one pass only on a GPU shared with other nodes
-        (its share there changes as theirs begin and end); returns the passes run and when
-        the first ended.
+        (its share there changes as theirs begin and end); returns the passes run, when the
+        first ended and its context.
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
         a, b = self.cost.decode_line(len(decodes))
@@ -252,7 +254,7 @@ class Node(Generic[R]):
         env = self.env
         if self.sim.gpu is not None:
             yield from self.busy(a + b * k0, False, len(decodes))
-            return 1, env._now
+            return 1, env._now, k0
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         grow = len(decodes) * tokens_per_step
         elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
@@ -272,7 +274,7 @@ class Node(Generic[R]):
             yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
             yield t0 + all_s - now
-        return steps, t0 + (a + b * k0)  # elapsed(1)
+        return steps, t0 + (a + b * k0), k0  # elapsed(1)
 
 
 def _run_s(a: float, b: float, k0: float, grow: float, k: int) -> float:
@@ -347,7 +349,8 @@ class PrefillNode(Node[PrefillRole]):
 
     def run_pass(self, batch: Batch) -> Proc:
         t0, gpu = self.env._now, self.sim.gpu
-        step_s = self.cost.step_time(self.shape(batch))
+        shape = self.shape(batch)
+        step_s = self.cost.step_time(shape)
         self.pass_step = (t0, step_s if gpu is None else gpu.expected_s(step_s, False))
         # every layer of the pass, each sent once it is produced (see TransferModel.post)
         self.role.on_layers(self.layers)
@@ -358,7 +361,7 @@ class PrefillNode(Node[PrefillRole]):
         if self.dead:
             return
         self.role.pass_done(batch)
-        self.record("prefill", t0, 1, batch)
+        self.record("prefill", t0, 1, batch, shape.prefill_attn_pairs, shape.decode_context)
 
 
 class DecodeNode(Node[DecodeRole]):
@@ -382,13 +385,13 @@ class DecodeNode(Node[DecodeRole]):
 
     def run_pass(self, batch: Batch) -> Proc:
         t0 = self.env._now
-        steps, first_s = yield from self._decode_run(batch.decodes, self.tps, _always)
+        steps, first_s, context = yield from self._decode_run(batch.decodes, self.tps, _always)
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
             return
         self.role.pass_done(batch, steps, first_s)
-        self.record("decode", t0, steps, batch)
+        self.record("decode", t0, steps, batch, 0.0, context)
 
 
 class ColocatedNode(Node[ColocatedRole]):
@@ -405,16 +408,18 @@ class ColocatedNode(Node[ColocatedRole]):
         t0 = self.env._now
         if batch.decode_only:
             admitting = lambda: self.role.admitting  # noqa: E731
-            steps, _ = yield from self._decode_run(batch.decodes, self.tps, admitting)
+            steps, _, context = yield from self._decode_run(batch.decodes, self.tps, admitting)
+            pairs = 0.0
         else:
-            steps = 1
-            yield from self.busy(self.cost.step_time(self.shape(batch)), True, len(batch.decodes))
+            steps, shape = 1, self.shape(batch)
+            pairs, context = shape.prefill_attn_pairs, shape.decode_context
+            yield from self.busy(self.cost.step_time(shape), True, len(batch.decodes))
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
             return
         self.role.pass_done(batch, steps)
-        self.record("decode" if batch.decode_only else "mixed", t0, steps, batch)
+        self.record("decode" if batch.decode_only else "mixed", t0, steps, batch, pairs, context)
 
 
 def _pick(router: Router, nodes: Sequence[Node]) -> int | None:

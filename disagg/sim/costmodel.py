@@ -62,11 +62,6 @@ class StepShape:
     decode_context: float = 0.0
 
 
-def chunk_attn_pairs(start: int, tokens: int) -> float:
-    """(query, key) pairs of a causal chunk of `tokens` tokens after `start` cached tokens."""
-    return tokens * start + tokens * (tokens + 1) / 2
-
-
 class RooflineCost:
     """Roofline step times for one node group (see the module docstring)."""
 
