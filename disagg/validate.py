@@ -65,7 +65,7 @@ from disagg.fidelity import (
     write_report,
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares
-from disagg.sim.costmodel import ProfileCost, StepShape, make_cost_model
+from disagg.sim.costmodel import CostModel, ProfileCost, StepShape, make_cost_model
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -332,7 +332,7 @@ def own_host(runs: Sequence[Path]) -> dict[str, Any]:
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
 PASS_COLUMNS = [
     *("kind", "size", "hw_n", "sim_n"),
-    *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s"),
+    *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s", "shape_device_s"),
 ]
 
 
@@ -351,7 +351,8 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
     chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
     in ranges of batch size (the run's quantiles); per range the run's median size, each
     side's passes and their median device and host (duration less device) seconds per pass
-    (a steps row of several passes counts as that many). Columns PASS_COLUMNS; no rows
+    (a steps row of several passes counts as that many), and the median of the run's
+    `shape_device_s` (`shape_device`; NaN where `hw` has none). Columns PASS_COLUMNS; no rows
     without device times (the CPU)."""
     rows = []
     for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
@@ -367,6 +368,7 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
             if a.empty or b.empty:
                 continue
             (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
+            shaped = a.shape_device_s.median() if "shape_device_s" in a else math.nan
             rows.append(
                 (
                     kind,
@@ -377,9 +379,38 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
                     bd,
                     ah,
                     bh,
+                    float(shaped),
                 )
             )
     return pd.DataFrame(rows, columns=PASS_COLUMNS)
+
+
+def shape_device(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
+    """Per row of `steps`, the device time that `exp`'s cost model gives a pass of the row's
+    shape on the row's node alone (its group's and role's model: a prefill, decode or
+    colocated node): what the run's passes would have taken by the profile, whatever the
+    replay's passes were. NaN for a row of several passes or without a shape (a table from
+    before the shape columns)."""
+    groups = {"colocated": exp.cluster.colocated, "prefill": exp.cluster.prefill}
+    groups["decode"] = exp.cluster.decode
+    costs: dict[str, CostModel] = {}
+    out = np.full(len(steps), math.nan)
+    if not all(c in steps for c in SHAPE_COLUMNS):
+        return pd.Series(out, index=steps.index)
+    rows = zip(
+        *(steps[c].to_numpy() for c in ("node", "steps", "prefill_tokens", "decode_seqs")),
+        *(steps[c].to_numpy(float) for c in SHAPE_COLUMNS),
+        strict=True,
+    )
+    for i, (node, passes, n, d, pairs, context) in enumerate(rows):
+        if passes != 1 or math.isnan(pairs) or math.isnan(context):
+            continue
+        role = str(node).rstrip("0123456789")
+        if role not in costs:
+            costs[role] = make_cost_model(exp, groups[role], role)
+        cost = costs[role]
+        out[i] = cost.step_time(StepShape(int(n), pairs, int(d), context)) - cost.host_s(n > 0, d)
+    return pd.Series(out, index=steps.index)
 
 
 def _steps(rows: pd.DataFrame) -> np.ndarray:
@@ -462,17 +493,23 @@ def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
         "",
         "Median device time of the passes in each range (ms); size: median chunk tokens (chunk)",
         "or batch (decode); host: duration less device (ms). No rows: no device times.",
+        "At its shape: the profile's device time for each of the run's passes at its own shape,",
+        "alone on its node (the median; beside another node's pass on one GPU a pass takes",
+        "longer), so shape/hw is the device model's error on the very passes the run ran;",
+        "- for a run whose steps table has no shape columns.",
         "",
-        "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | host hw "
-        "| host sim |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | at its shape "
+        "| shape/hw | host hw | host sim |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in table.to_dict("records"):
         hw_s, sim_s = float(row["hw_device_s"]), float(row["sim_device_s"])
+        shaped = float(row["shape_device_s"])
+        at_shape = "- | -" if math.isnan(shaped) else f"{shaped * 1e3:.2f} | {shaped / hw_s:.3f}"
         lines.append(
             f"| {row['run']} | {row['kind']} | {float(row['size']):g} | "
             f"{row['hw_n']} / {row['sim_n']} | {hw_s * 1e3:.2f} | {sim_s * 1e3:.2f} | "
-            f"{sim_s / hw_s:.3f} | {float(row['hw_host_s']) * 1e3:.2f} | "
+            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_host_s']) * 1e3:.2f} | "
             f"{float(row['sim_host_s']) * 1e3:.2f} |"
         )
     (out / "passes.md").write_text("\n".join(lines) + "\n")
@@ -911,16 +948,13 @@ def replay_all(
     own_table = own_host_table(table, fidelity_table(own)) if own else None
     verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits)
     report = Report(table, verdicts)
-    pass_report(
-        {
-            label: pass_table(
-                pd.read_parquet(hw / label / "steps.parquet"),
-                pd.read_parquet(out / "sim-profile" / label / "steps.parquet"),
-            )
-            for label in labels
-        },
-        out,
-    )
+    tables = {}
+    for label in labels:
+        steps = pd.read_parquet(hw / label / "steps.parquet")
+        replayed = out / "sim-profile" / label
+        steps["shape_device_s"] = shape_device(steps, load_experiment(replayed))
+        tables[label] = pass_table(steps, pd.read_parquet(replayed / "steps.parquet"))
+    pass_report(tables, out)
     report.files = [
         out / "fidelity.csv",
         out / "fidelity.md",

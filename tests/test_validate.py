@@ -43,6 +43,7 @@ from disagg.validate import (
     pass_gaps,
     pass_offsets,
     pass_table,
+    shape_device,
     start_parts,
 )
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
@@ -551,6 +552,54 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     assert pass_offsets(steps.assign(device_s=math.nan), cost) == []  # the CPU
     assert not has_shapes(steps.drop(columns="decode_context"))
     assert not has_shapes(steps.assign(prefill_attn_pairs=math.nan))
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_a_runs_passes_at_their_own_shapes_take_the_profiles_time(
+    mode: str, tmp_path: Path
+) -> None:
+    """A simulated run on the profile, read as a run to replay: each one-pass row's device
+    time at its own shape (on its node's model: colocated, prefill or decode) is the device
+    time the run gave it; a row of several passes has none, nor has a table without shapes.
+    The pass table's medians by range are those of the rows."""
+    from disagg.core.metrics import steps_table
+    from disagg.sim.cluster import Sim
+
+    rows = [
+        f"prefill,{n},1,{c},{0.01 + n * 2e-5 + c * 4e-6},0" for n in (256, 2048) for c in (0, 2048)
+    ]
+    rows += [
+        f"decode,{b},{b},{c},{0.005 + b * c * 1e-8},0" for b in (1, 8, 64) for c in (500, 3000)
+    ]
+    rows += [
+        f"mixed,{n},{b},500,{0.02 + n * 2e-5 + b * 1e-4},0" for n in (256, 2048) for b in (1, 8)
+    ]
+    csv = tmp_path / "profile.csv"
+    csv.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    exp = load_experiment(
+        EXPERIMENTS / "llama8b-h200.toml",
+        [
+            f"cost.source=profile:{csv}",
+            "cost.profile_host_s=0.001",
+            "cost.profile_decode_scale=0.97",
+            "workload.num_requests=30",
+        ],
+    )
+    exp = exp if exp.cluster.mode == mode else other_mode(exp)
+    sim = Sim(exp)
+    sim.run()
+    steps = steps_table(sim.rec)
+    got = shape_device(steps, exp)
+    one = steps.steps == 1
+    assert set(steps.node.str.rstrip("0123456789")) == (
+        {"colocated"} if mode == "colocated" else {"prefill", "decode"}
+    )
+    assert got[one].to_numpy() == pytest.approx(steps.device_s[one].to_numpy(), rel=1e-9)
+    assert got[~one].isna().all() and (~one).any()
+    assert shape_device(steps.drop(columns="decode_context"), exp).isna().all()
+    t = pass_table(steps.assign(shape_device_s=got)[one], steps)  # as a hw run's: a pass a row
+    assert list(t.shape_device_s) == pytest.approx(list(t.hw_device_s), rel=1e-9)
+    assert pass_table(steps, steps).shape_device_s.isna().all()
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:

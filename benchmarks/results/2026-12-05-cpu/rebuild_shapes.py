@@ -2,7 +2,10 @@
 shape columns their `prefill_attn_pairs` and `decode_context`, rebuilt from the requests
 table, in place:
 
-    python benchmarks/results/2026-12-05-cpu/rebuild_shapes.py VALIDATE_DIR...
+    python benchmarks/results/2026-12-05-cpu/rebuild_shapes.py VALIDATE_DIR... [--runs]
+
+`--runs`: its colocated validation runs (`hw/colocated-*`) too, for `passes.md`'s column of
+each pass at its own shape.
 
 - Chunks: a colocated server prefills first come, first served, so each pass with a prompt
   chunk takes its `prefill_tokens` from the requests in order of their prefill start, each
@@ -65,8 +68,11 @@ def rebuild(run: Path) -> tuple[int, float, float]:
 
 
 def main() -> None:
-    for out in map(Path, sys.argv[1:]):
-        for run in sorted(out.glob("calibration/*rps")):
+    runs = "--runs" in sys.argv
+    for out in (Path(a) for a in sys.argv[1:] if a != "--runs"):
+        found = sorted(out.glob("calibration/*rps"))
+        found += sorted(out.glob("hw/colocated-*")) if runs else []
+        for run in found:
             if not run.name.startswith("disagg-"):
                 n, gap, matched = rebuild(run)
                 print(
