@@ -80,6 +80,8 @@ def draw_passes(tracks: Tracks, steps: pd.DataFrame) -> dict[str, Passes]:
         args["pass_ms"] = (df.duration_s / df.steps * 1e3).to_numpy(float)
         device = df.device_s.to_numpy(float) if "device_s" in df else np.full(len(df), math.nan)
         args["device_ms"] = device * 1e3
+        for shape in ("prefill_attn_pairs", "decode_context"):  # null in a table before them
+            args[shape] = df[shape].to_numpy(float) if shape in df else np.full(len(df), math.nan)
         slices = tracks.slices(pid, tids, labels, starts, ends, args)
         out[str(node)] = Passes(slices, starts, ends)
     return out

@@ -106,6 +106,8 @@ def test_hand_built_run_gives_its_tracks_slices_and_flows(tmp_path: Path) -> Non
         "prefill_tokens": 100,
         "pass_ms": 200.0,
         "device_ms": 200.0,
+        "prefill_attn_pairs": 5050.0,
+        "decode_context": 0.0,
     }
     decode = slices(trace, 2)
     assert [(e["name"], e["ts"], e["dur"]) for e in decode] == [
@@ -113,6 +115,7 @@ def test_hand_built_run_gives_its_tracks_slices_and_flows(tmp_path: Path) -> Non
         ("decode x10", 1_300_000.0, 500_000.0),
     ]
     assert decode[1]["args"]["steps"] == 10 and decode[1]["args"]["decode_seqs"] == 2
+    assert decode[1]["args"]["decode_context"] == 152.0
     assert decode[1]["args"]["pass_ms"] == pytest.approx(50.0)
 
     xfers = slices(trace, 3)
