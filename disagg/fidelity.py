@@ -478,3 +478,54 @@ def plot_cdfs(requests: Mapping[str, Mapping[str, pd.DataFrame]], path: Path) ->
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+RATIO_TICKS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
+def plot_passes(steps: Mapping[str, pd.DataFrame], path: Path) -> Path | None:
+    """One panel per run: each pass's measured device time over the profile's for a pass of
+    its own shape alone (`shape_device_s`, disagg.validate.shape_device), against the latter,
+    decode-only passes and passes with a prompt chunk apart (log scale; 1 and +-5% marked);
+    `steps[run]` is its steps table. Returns `path`, or None where no run has both times (the
+    CPU, or steps tables from before the shape columns)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    both = {
+        run: t[t.device_s.notna() & t.shape_device_s.notna() & (t.shape_device_s > 0)]
+        for run, t in steps.items()
+        if "device_s" in t and "shape_device_s" in t
+    }
+    both = {run: t for run, t in both.items() if len(t)}
+    if not both:
+        return None
+    cols = min(3, len(both))
+    rows = -(-len(both) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(both) :]:
+        ax.set_visible(False)
+    for ax, (run, t) in zip(axes.flat, both.items(), strict=False):
+        for kind, rows_of in (("decode", t.prefill_tokens == 0), ("chunk", t.prefill_tokens > 0)):
+            g = t[rows_of]
+            model = g.shape_device_s * 1e3
+            ax.scatter(model, g.device_s * 1e3 / model, s=4, alpha=0.4, label=kind)
+        for y, style in ((1.0, "-"), (1.05, ":"), (0.95, ":")):
+            ax.axhline(y, color="black", lw=0.8, ls=style)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lo, hi = ax.get_ylim()
+        ax.set_yticks([y for y in RATIO_TICKS if lo <= y <= hi])
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not powers of ten
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
+        ax.set_title(run, fontsize=9)
+        ax.set_xlabel("profile at its shape (ms)")
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("measured / profile")
+    axes[0][0].legend(fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -56,6 +56,7 @@ from disagg.fidelity import (
     median_summary,
     own_host_table,
     plot_cdfs,
+    plot_passes,
     plot_ratios,
     ratio,
     repeat_table,
@@ -948,12 +949,13 @@ def replay_all(
     own_table = own_host_table(table, fidelity_table(own)) if own else None
     verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits)
     report = Report(table, verdicts)
-    tables = {}
+    tables, shaped = {}, {}
     for label in labels:
         steps = pd.read_parquet(hw / label / "steps.parquet")
         replayed = out / "sim-profile" / label
         steps["shape_device_s"] = shape_device(steps, load_experiment(replayed))
         tables[label] = pass_table(steps, pd.read_parquet(replayed / "steps.parquet"))
+        shaped[label] = steps
     pass_report(tables, out)
     report.files = [
         out / "fidelity.csv",
@@ -965,4 +967,6 @@ def replay_all(
     ]
     report.files.append(plot_ratios(table, out / "fidelity_ratios.png"))
     report.files.append(plot_cdfs(requests, out / "fidelity_cdfs.png"))
+    scatter = plot_passes(shaped, out / "fidelity_passes.png")
+    report.files += [scatter] if scatter else []
     return report

@@ -27,6 +27,7 @@ from disagg.fidelity import (
     own_host_markdown,
     own_host_table,
     parse_tolerances,
+    plot_passes,
     repeat_markdown,
     repeat_table,
     spread_markdown,
@@ -600,6 +601,11 @@ def test_a_runs_passes_at_their_own_shapes_take_the_profiles_time(
     t = pass_table(steps.assign(shape_device_s=got)[one], steps)  # as a hw run's: a pass a row
     assert list(t.shape_device_s) == pytest.approx(list(t.hw_device_s), rel=1e-9)
     assert pass_table(steps, steps).shape_device_s.isna().all()
+    png = plot_passes({"run": steps.assign(shape_device_s=got)}, tmp_path / "passes.png")
+    assert png == tmp_path / "passes.png" and png.read_bytes()[:4] == b"\x89PNG"
+    cpu = steps.assign(shape_device_s=got, device_s=math.nan)  # no device times: no picture
+    assert plot_passes({"run": cpu, "old": steps}, tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_log_grid_keeps_both_ends_without_repeats() -> None:
