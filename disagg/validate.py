@@ -334,6 +334,7 @@ PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are co
 PASS_COLUMNS = [
     *("kind", "size", "hw_n", "sim_n"),
     *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s", "shape_device_s"),
+    "hw_before_s",
 ]
 
 
@@ -352,9 +353,9 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
     chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
     in ranges of batch size (the run's quantiles); per range the run's median size, each
     side's passes and their median device and host (duration less device) seconds per pass
-    (a steps row of several passes counts as that many), and the median of the run's
-    `shape_device_s` (`shape_device`; NaN where `hw` has none). Columns PASS_COLUMNS; no rows
-    without device times (the CPU)."""
+    (a steps row of several passes counts as that many), and the medians of the run's
+    `shape_device_s` (`shape_device`) and `host_before_s` (NaN where `hw` has none). Columns
+    PASS_COLUMNS; no rows without device times (the CPU)."""
     rows = []
     for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
         h, r = (
@@ -370,6 +371,7 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
                 continue
             (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
             shaped = a.shape_device_s.median() if "shape_device_s" in a else math.nan
+            before = a.host_before_s.median() if "host_before_s" in a else math.nan
             rows.append(
                 (
                     kind,
@@ -381,6 +383,7 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
                     ah,
                     bh,
                     float(shaped),
+                    float(before),
                 )
             )
     return pd.DataFrame(rows, columns=PASS_COLUMNS)
@@ -497,20 +500,23 @@ def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
         "At its shape: the profile's device time for each of the run's passes at its own shape,",
         "alone on its node (the median; beside another node's pass on one GPU a pass takes",
         "longer), so shape/hw is the device model's error on the very passes the run ran;",
-        "- for a run whose steps table has no shape columns.",
+        "- for a run whose steps table has no shape columns. Host hw (before): of it, the median",
+        "time before the host began to launch the pass's forward (batch, plan, inputs).",
         "",
         "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | at its shape "
-        "| shape/hw | host hw | host sim |",
+        "| shape/hw | host hw (before) | host sim |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in table.to_dict("records"):
         hw_s, sim_s = float(row["hw_device_s"]), float(row["sim_device_s"])
         shaped = float(row["shape_device_s"])
         at_shape = "- | -" if math.isnan(shaped) else f"{shaped * 1e3:.2f} | {shaped / hw_s:.3f}"
+        ahead = float(row["hw_before_s"])
+        before = "" if math.isnan(ahead) else f" ({ahead * 1e3:.2f})"
         lines.append(
             f"| {row['run']} | {row['kind']} | {float(row['size']):g} | "
             f"{row['hw_n']} / {row['sim_n']} | {hw_s * 1e3:.2f} | {sim_s * 1e3:.2f} | "
-            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_host_s']) * 1e3:.2f} | "
+            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_host_s']) * 1e3:.2f}{before} | "
             f"{float(row['sim_host_s']) * 1e3:.2f} |"
         )
     (out / "passes.md").write_text("\n".join(lines) + "\n")

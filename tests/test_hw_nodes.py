@@ -87,11 +87,17 @@ def placed(out: Path) -> pd.DataFrame:
 
 def assert_shapes_hold_every_token(out: Path, disagg: bool) -> None:
     """The steps table's shape columns (one row a pass here) hold what the simulator's do: the
-    tokens of every decode pass and the attention pairs of every prompt (`held_and_pairs`)."""
+    tokens of every decode pass and the attention pairs of every prompt (`held_and_pairs`);
+    its host split is within each pass."""
     steps = pd.read_parquet(out / "steps.parquet")
     assert (steps.steps == 1).all()
     got = (steps.decode_context.sum(), steps.prefill_attn_pairs.sum())
     assert got == held_and_pairs(placed(out), disagg)
+    # and where its host time went: before the forward's launch, then the launch (on the CPU
+    # the forward itself), both within the pass
+    before, launch = steps.host_before_s, steps.launch_s
+    assert (before > 0).all() and (launch > 0).all()
+    assert (before + launch <= steps.duration_s + 1e-6).all()
 
 
 def test_one_prefill_two_decodes_round_robin(reference: dict, tmp_path: Path) -> None:

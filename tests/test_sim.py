@@ -79,6 +79,7 @@ def test_a_steps_row_gives_the_shape_its_passes_were_costed_at(path: str) -> Non
     want = held_and_pairs(req, sim.exp.cluster.mode == "disagg")
     assert (held, steps.prefill_attn_pairs.sum()) == pytest.approx(want, rel=1e-12)
     assert (steps.steps > 1).any() and (steps.prefill_tokens > 0).any()
+    assert steps[["host_before_s", "launch_s"]].isna().all(axis=None)  # the hw's to measure
 
 
 def test_same_seed_gives_identical_tables_and_another_seed_does_not() -> None:

@@ -601,6 +601,10 @@ def test_a_runs_passes_at_their_own_shapes_take_the_profiles_time(
     t = pass_table(steps.assign(shape_device_s=got)[one], steps)  # as a hw run's: a pass a row
     assert list(t.shape_device_s) == pytest.approx(list(t.hw_device_s), rel=1e-9)
     assert pass_table(steps, steps).shape_device_s.isna().all()
+    assert pass_table(steps, steps).hw_before_s.isna().all()  # the simulator does not split it
+    before = np.where(steps.prefill_tokens > 0, 0.003, 0.001)  # a chunk pass's, a decode's
+    t = pass_table(steps.assign(host_before_s=before)[one], steps)
+    assert list(t.hw_before_s) == [0.003 if k == "chunk" else 0.001 for k in t.kind]
     png = plot_passes({"run": steps.assign(shape_device_s=got)}, tmp_path / "passes.png")
     assert png == tmp_path / "passes.png" and png.read_bytes()[:4] == b"\x89PNG"
     cpu = steps.assign(shape_device_s=got, device_s=math.nan)  # no device times: no picture

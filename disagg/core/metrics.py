@@ -11,6 +11,10 @@ Every run writes three tables and a summary:
   `prefill_attn_pairs` and `decode_context` give the pass's shape as the cost models read it
   (`disagg.sim.costmodel.StepShape`): its chunks' attention pairs and its decodes' tokens in
   all (a run of passes: the first's), so a pass's time can be set against a model of it;
+  on hw, `host_before_s` runs from a pass's start to the host beginning to launch its forward
+  (the batch, its plan and inputs) and `launch_s` while the host launches it (on CUDA an eager
+  forward's kernels, which the device runs meanwhile: about `device_s` where the pass waits
+  on its launches; one graph replay; on the CPU the forward itself); NaN in the simulator;
 - transfers: one row per request transfer (bytes, write operations, first post, last landing).
 A hw run adds `hops`: when each request's control messages left and arrived (`queue_parts`
 splits the queue by it).
@@ -50,6 +54,8 @@ STEP_COLUMNS = [
     "device_s",
     "prefill_attn_pairs",
     "decode_context",
+    "host_before_s",
+    "launch_s",
 ]
 TRANSFER_COLUMNS = [
     "request_id",
@@ -94,11 +100,14 @@ class Recorder:
         device_s: float = math.nan,
         prefill_attn_pairs: float = math.nan,
         decode_context: float = math.nan,
+        host_before_s: float = math.nan,
+        launch_s: float = math.nan,
     ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
         decoding sequences, tokens (prefill tokens + decode queries), prefill tokens;
         `device_s`: the device's share of `duration_s` (see the module's docstring);
-        `prefill_attn_pairs` and `decode_context` as `Batch`'s at the (first) pass."""
+        `prefill_attn_pairs` and `decode_context` as `Batch`'s at the (first) pass;
+        `host_before_s` and `launch_s` as in `batch`."""
         self.steps.append(
             (
                 node,
@@ -113,6 +122,8 @@ class Recorder:
                 device_s,
                 prefill_attn_pairs,
                 decode_context,
+                host_before_s,
+                launch_s,
             )
         )
 
@@ -128,11 +139,15 @@ class Recorder:
         device_s: float = math.nan,
         pairs: float | None = None,
         context: float | None = None,
+        host_before_s: float = math.nan,
+        launch_s: float = math.nan,
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
         tokens into a pass (1 + draft tokens); `device_s` as in `step`; `pairs` and `context`:
         the first pass's `prefill_attn_pairs` and `decode_context` (None: `batch`'s now, which
-        a caller that has not yet advanced its requests past these passes may leave)."""
+        a caller that has not yet advanced its requests past these passes may leave); a hw
+        pass's `host_before_s` (from its start to the host beginning to launch its forward)
+        and `launch_s` (the host launching its forward), NaN where not measured."""
         chunks, d = batch.chunks, len(batch.decodes)
         prefill = sum(c.tokens for c in chunks) if chunks else 0  # batch.prefill_tokens, inlined
         rows, tokens = len(chunks) + d, prefill + d * decode_qo
@@ -141,8 +156,24 @@ class Recorder:
         if context is None:
             context = batch.decode_context
         # the row of `step`, appended here: one per pass or run of passes
-        row = (node, kind, start_s, duration_s, steps, rows, d, tokens, prefill, device_s)
-        self.steps.append((*row, pairs, context))
+        self.steps.append(
+            (
+                node,
+                kind,
+                start_s,
+                duration_s,
+                steps,
+                rows,
+                d,
+                tokens,
+                prefill,
+                device_s,
+                pairs,
+                context,
+                host_before_s,
+                launch_s,
+            )
+        )
 
     def transfer(self, req: Request, nbytes: float, ops: float, start_s: float) -> None:
         t = self.transfers.get(req.id)

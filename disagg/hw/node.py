@@ -384,9 +384,19 @@ class Server:
         raise NotImplementedError
 
     def record(self, kind: str, start: float, batch: Batch) -> None:
+        """The steps row of the pass of `batch` begun at `start` (`now`), just run: its device
+        time, and where its host time went (`Recorder.batch`)."""
         took = self.now() - start
+        began, launched = self.runner.launched()
         self.stats.steps.batch(
-            self.cfg.name, kind, start, took, batch, device_s=self.runner.device_s()
+            self.cfg.name,
+            kind,
+            start,
+            took,
+            batch,
+            device_s=self.runner.device_s(),
+            host_before_s=began - self.t0 - start,
+            launch_s=launched - began,
         )
 
     def sync(self) -> None:

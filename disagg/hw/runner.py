@@ -226,6 +226,7 @@ class Runner:
         self.graph_error = ""
         self._staged: torch.cuda.Event | None = None
         self._timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._launched = (math.nan, math.nan)  # the host's clock around the last forward
         self._ahead: tuple[_DecodeGraph, tuple[Seq, ...]] | None = None  # see plan_ahead
         self.planned_ahead = 0  # steps that found their plan made ahead
         self.captured_on_demand = 0  # graphs captured when first needed, not by `capture`
@@ -281,16 +282,28 @@ class Runner:
 
     @contextlib.contextmanager
     def _timing(self) -> Iterator[None]:
-        """Events around the forward on CUDA (its inputs are staged before it): `device_s`."""
+        """Events around the forward on CUDA (its inputs are staged before it): `device_s`;
+        and the host's clock around it, on any device: `launched`."""
         self._timed = None  # a forward that raises leaves no timing of an earlier step
+        self._launched = (math.nan, math.nan)
+        began = time.time()
         if self.device.type != "cuda":
             yield
+            self._launched = (began, time.time())
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         yield
         end.record()
         self._timed = start, end
+        self._launched = (began, time.time())
+
+    def launched(self) -> tuple[float, float]:
+        """When (`time.time()`) the host began to launch the last step's forward and when it
+        had launched all of it: on CUDA an eager forward's every kernel, or one graph replay
+        (the device runs them meanwhile, or after); on the CPU, which runs each op as it is
+        called, the whole forward. NaN before a step."""
+        return self._launched
 
     def device_s(self) -> float:
         """Seconds from the device reaching the last step's forward to its end (gaps where it
