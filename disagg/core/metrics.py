@@ -108,23 +108,10 @@ class Recorder:
         `device_s`: the device's share of `duration_s` (see the module's docstring);
         `prefill_attn_pairs` and `decode_context` as `Batch`'s at the (first) pass;
         `host_before_s` and `launch_s` as in `batch`."""
+        counts = (steps, batch_size, decode_seqs, tokens, prefill_tokens)
+        shape = (prefill_attn_pairs, decode_context)
         self.steps.append(
-            (
-                node,
-                kind,
-                start_s,
-                duration_s,
-                steps,
-                batch_size,
-                decode_seqs,
-                tokens,
-                prefill_tokens,
-                device_s,
-                prefill_attn_pairs,
-                decode_context,
-                host_before_s,
-                launch_s,
-            )
+            (node, kind, start_s, duration_s, *counts, device_s, *shape, host_before_s, launch_s)
         )
 
     def batch(
