@@ -275,6 +275,10 @@ class CostConfig(_Frozen):
     profile_host_s: float | None = Field(default=None, ge=0)
     profile_host_chunk_s: float = Field(default=0.0, ge=0)
     profile_host_per_seq_s: float = Field(default=0.0, ge=0)
+    # on a GPU the nodes share in turns (cluster.switch_s): the part of a pass's host time
+    # that comes before its device time, the rest after (`disagg validate` measures it where
+    # the hw runs say when each forward was launched)
+    profile_host_before: float = Field(default=1.0, ge=0, le=1)
     # with a profile: (chunk tokens, s) points, the device time a serving run's passes with a
     # prompt chunk took beyond the profile's cost of them (`disagg validate` measures them)
     profile_chunk_offsets: tuple[tuple[float, float], ...] = ()

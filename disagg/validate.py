@@ -297,7 +297,8 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     least-squares line over the decode passes' batch sizes gives the fixed part of a decode
     pass and the part per sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a
     prompt chunk has its own fixed part, the median of its host time less the per-sequence part
-    (`profile_host_chunk_s`)."""
+    (`profile_host_chunk_s`); and where the runs say when each forward was launched, the median
+    part of a pass's host time before it (`host_before_s`: `profile_host_before`)."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
@@ -316,10 +317,19 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     costs["profile_host_s"] = max(0.0, float(fixed))
     costs["profile_host_chunk_s"] = max(0.0, float(chunk.median())) if len(chunk) else fixed
     costs["profile_host_per_seq_s"] = float(per_seq)
+    before = timed.host_before_s if "host_before_s" in timed else pd.Series(dtype=float)
+    split = (before / host)[before.notna() & (host > 0)].clip(0.0, 1.0)
+    if len(split):  # runs that say when each forward was launched
+        costs["profile_host_before"] = float(split.median())
     return costs
 
 
-HOST_KEYS = ("profile_host_s", "profile_host_chunk_s", "profile_host_per_seq_s")
+HOST_KEYS = (
+    "profile_host_s",
+    "profile_host_chunk_s",
+    "profile_host_per_seq_s",
+    "profile_host_before",
+)
 
 
 def own_host(runs: Sequence[Path]) -> dict[str, Any]:
@@ -532,7 +542,9 @@ def described(costs: dict[str, Any]) -> str:
     parts = []
     for key, value in costs.items():
         name = key.removeprefix("profile_")
-        if isinstance(value, float):
+        if key == "profile_host_before":  # a share of the host time
+            parts.append(f"{value:.0%} of the host time before the device")
+        elif isinstance(value, float):
             parts.append(f"{name} {value * 1e3:.3g} ms")
         else:  # the chunk offsets: (tokens, s) points
             points = ", ".join(f"{o * 1e3:+.3g} ms at {n:g} tokens" for n, o in value)

@@ -392,6 +392,33 @@ def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:
     assert _ends(two, 0.9, switch_s=0.0) == pytest.approx([36e-3, 36e-3], abs=1e-12)
 
 
+def _host_ends(before: float) -> list[float]:
+    """When a decode pass of 2 ms host and 6 ms device and a prefill pass of 30 ms device, both
+    from 0, end on a GPU taking turns at 4 ms, `before` of the host time first."""
+    env, ends = Clock(), [0.0, 0.0]
+    gpu = SharedGPU(env, 0.9, None, 4e-3)
+
+    def one(i: int, device_s: float, host_s: float, decode_only: bool) -> Proc:
+        yield from gpu.run(device_s, decode_only, host_s, before)
+        ends[i] = env.now
+
+    env.start(one(0, 6e-3, 2e-3, True))
+    env.start(one(1, 30e-3, 0.0, False))
+    env.run()
+    return ends
+
+
+def test_a_passs_host_time_runs_beside_the_turns_before_and_after_its_device_time() -> None:
+    """Hand arithmetic (`_host_ends`). All the decode's host time first: the prefill runs alone
+    for 2 ms, then at 30/40 ends at 2 + 28 / 0.75 = 39.33 ms, and the decode, 5.6 ms done at
+    6/40, runs its last 0.4 alone to 39.73. All after: both at 6/40 and 30/40 end at 40 ms,
+    the decode's host then to 42. Half: the prefill ends at 1 + 29 / 0.75 = 39.67, the
+    decode's device at 39.87 and its host at 40.87."""
+    assert _host_ends(1.0) == pytest.approx([39.6e-3 + 0.4e-3 / 3, 39e-3 + 1e-3 / 3], abs=1e-12)
+    assert _host_ends(0.0) == pytest.approx([42e-3, 40e-3], abs=1e-12)
+    assert _host_ends(0.5) == pytest.approx([40.8e-3 + 0.2e-3 / 3, 39.6e-3 + 0.2e-3 / 3], abs=1e-12)
+
+
 def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:
     """cluster.shared_gpu (a hw run on one device): passes of different nodes still overlap,
     but those that do take longer than alone, and a larger decode share trades prefill speed

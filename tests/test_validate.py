@@ -450,6 +450,13 @@ def test_loop_costs_fit_host_time_per_pass_by_hand(tmp_path: Path) -> None:
     host = {k: v for k, v in costs.items() if k != "profile_pass_overhead_s"}
     assert own_host(dirs[:2]) == host
     assert own_host(dirs[2:]) == {}
+    # runs that say when each forward was launched: the median part of the host time before
+    # it (0.2, 0.25, 0.5, 0.6 and 0.9 of the five passes' host time; NaN: not measured)
+    share = [0.2, 0.25, 0.5, 0.6, 0.9]
+    before = [(t - d) * x for t, d, x in zip(duration, device, share, strict=True)]
+    timed = steps.assign(host_before_s=before)
+    assert loop_costs([timed])["profile_host_before"] == pytest.approx(0.5)
+    assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
 
 
 def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay() -> None:

@@ -202,8 +202,9 @@ class Node(Generic[R]):
     def busy(self, seconds: float, prefill: bool, decodes: int) -> Proc:
         """One pass of `seconds` (`prefill`: with a prompt chunk; `decodes` decode sequences):
         that long, or on a GPU shared with other nodes, as long as its share there makes it.
-        Under the round robin only its device time takes turns: its host time comes first,
-        beside the other nodes' passes (disagg/sim/gpu.py)."""
+        Under the round robin only its device time takes turns: its host time runs beside the
+        other nodes' passes, `cost.profile_host_before` of it first and the rest after
+        (disagg/sim/gpu.py)."""
         gpu = self.sim.gpu
         if gpu is None:
             yield seconds
@@ -211,8 +212,8 @@ class Node(Generic[R]):
             yield from gpu.run(seconds, not prefill)
         else:
             host = min(seconds, self.cost.host_s(prefill, decodes))
-            yield host
-            yield from gpu.run(seconds - host, not prefill)
+            before = self.sim.exp.cost.profile_host_before
+            yield from gpu.run(seconds - host, not prefill, host, before)
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError

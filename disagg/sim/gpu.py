@@ -75,8 +75,18 @@ class SharedGPU:
         total = w + sum(p[1] for p in self.running.values())
         return seconds / self.pace(w, total, len(self.running) + 1)
 
-    def run(self, seconds: float, decode_only: bool) -> Generator[Any, Any, None]:
+    def run(
+        self,
+        seconds: float,
+        decode_only: bool,
+        host_s: float | None = None,
+        host_before: float = 1.0,
+    ) -> Generator[Any, Any, None]:
+        """A pass of `seconds` on the device and, if given, `host_s` on the host, which takes
+        no turns: `host_before` of it before the device time, the rest after."""
         env = self.env
+        if host_s is not None:
+            yield host_s * host_before
         self._advance()
         done, t0 = env.event(), env._now
         self.running[done] = [seconds, self.weight(seconds, decode_only)]
@@ -85,6 +95,8 @@ class SharedGPU:
         if env._now - t0 > seconds * (1 + 1e-9):
             self.shared += 1
             self.lost_s += env._now - t0 - seconds
+        if host_s is not None and host_before < 1:
+            yield host_s * (1 - host_before)
 
     def _advance(self) -> None:
         now = self.env._now
