@@ -66,7 +66,7 @@ from disagg.fidelity import (
     write_report,
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares
-from disagg.sim.costmodel import CostModel, ProfileCost, StepShape, make_cost_model
+from disagg.sim.costmodel import CostModel, StepShape, make_cost_model
 from disagg.validate_plan import (
     DEFAULT_LOADS,
     capacity_per_s,
@@ -340,6 +340,7 @@ def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
 
 
+SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
 PASS_COLUMNS = [
     *("kind", "size", "hw_n", "sim_n"),
@@ -454,9 +455,6 @@ def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
     return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
 
 
-SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")
-
-
 def has_shapes(steps: pd.DataFrame) -> bool:
     """Whether every pass of `steps` with a prompt chunk says its shape (tables written before
     the shape columns do not)."""
@@ -466,24 +464,16 @@ def has_shapes(steps: pd.DataFrame) -> bool:
     return bool(chunks[list(SHAPE_COLUMNS)].notna().all(axis=None))
 
 
-def pass_offsets(steps: pd.DataFrame, cost: ProfileCost) -> list[list[float]]:
+def pass_offsets(steps: pd.DataFrame, exp: Experiment) -> list[list[float]]:
     """`[cost] profile_chunk_offsets` from serving runs' steps (concatenated; `has_shapes`),
-    pass by pass: each pass with a prompt chunk and a device time, less `cost`'s device time
-    for its shape (`cost` without chunk offsets); per range of chunk tokens of `pass_table`,
-    its median tokens and the passes' median difference. [] without device times (the CPU)."""
+    pass by pass: each pass with a prompt chunk and a device time, less what `exp` (its cost
+    without chunk offsets) gives a pass of its shape (`shape_device`); per range of chunk
+    tokens of `pass_table`, its median tokens and the passes' median difference. [] without
+    device times (the CPU)."""
     chunks = steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
     if chunks.empty:
         return []
-    beyond = chunks.device_s - [
-        cost.step_time(StepShape(int(n), pairs, int(d), k)) - cost.host_s(True, int(d))
-        for n, pairs, d, k in zip(
-            chunks.prefill_tokens,
-            chunks.prefill_attn_pairs,
-            chunks.decode_seqs,
-            chunks.decode_context,
-            strict=True,
-        )
-    ]
+    beyond = chunks.device_s - shape_device(chunks, exp)
     out = []
     for lo, hi, last in _ranges(chunks.prefill_tokens, PASS_BINS):
         tokens = chunks.prefill_tokens
@@ -593,9 +583,7 @@ def fit_chunk_offsets(
         return costs
     if all(map(has_shapes, runs)):
         exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
-        cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
-        assert isinstance(cost, ProfileCost)
-        offsets = pass_offsets(pd.concat(runs, ignore_index=True), cost)
+        offsets = pass_offsets(pd.concat(runs, ignore_index=True), exp)
         return costs | ({"profile_chunk_offsets": offsets} if offsets else {})
     for where in dirs:
         replay(where, [*sim_overrides, *profiled(profile_csv, costs)], where / "replay")

@@ -515,7 +515,7 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     chunks cost more after context, so a fit that read every chunk at no context (or without
     its decodes) would find others; a table without shapes has none to fit."""
     from disagg.core.scheduler import chunk_attn_pairs
-    from disagg.sim.costmodel import ProfileCost, StepShape
+    from disagg.sim.costmodel import StepShape, make_cost_model
 
     rows = [
         f"prefill,{n},1,{c},{0.01 + n * 1e-5 + c * 4e-6},0.001"
@@ -527,7 +527,10 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     ]
     csv = tmp_path / "profile.csv"
     csv.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
-    cost = ProfileCost(csv, run_host=(0.001, 0.002, 0.0001))
+    host = ["cost.profile_host_s=0.001", "cost.profile_host_chunk_s=0.002"]
+    host += ["cost.profile_host_per_seq_s=0.0001"]
+    exp = load_experiment(EXPERIMENTS / "llama8b-h200.toml", [f"cost.source=profile:{csv}", *host])
+    cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
     tokens = [100, 200, 300, 400, 500, 600, 700, 800]
     start = [0, 1500, 0, 900, 2000, 0, 300, 1000]
     decodes = [0, 3, 1, 0, 5, 2, 0, 4]
@@ -541,6 +544,8 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     ]
     steps = pd.DataFrame(
         {
+            "node": "colocated0",
+            "steps": 1,
             "prefill_tokens": [*tokens, 0],
             "decode_seqs": [*decodes, 4],
             "device_s": [*device, 0.006],
@@ -549,15 +554,15 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
         }
     )
     assert has_shapes(steps)
-    assert pass_offsets(steps, cost) == [
+    assert pass_offsets(steps, exp) == [
         [150, pytest.approx(0.01)],
         [350, pytest.approx(0.005)],
         [550, pytest.approx(0.0, abs=1e-12)],
         [750, pytest.approx(-0.003)],
     ]
     unread = steps.assign(prefill_attn_pairs=[chunk_attn_pairs(0, n) for n in [*tokens, 0]])
-    assert pass_offsets(unread, cost) != pass_offsets(steps, cost)
-    assert pass_offsets(steps.assign(device_s=math.nan), cost) == []  # the CPU
+    assert pass_offsets(unread, exp) != pass_offsets(steps, exp)
+    assert pass_offsets(steps.assign(device_s=math.nan), exp) == []  # the CPU
     assert not has_shapes(steps.drop(columns="decode_context"))
     assert not has_shapes(steps.assign(prefill_attn_pairs=math.nan))
 
