@@ -317,10 +317,10 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     costs["profile_host_s"] = max(0.0, float(fixed))
     costs["profile_host_chunk_s"] = max(0.0, float(chunk.median())) if len(chunk) else fixed
     costs["profile_host_per_seq_s"] = float(per_seq)
-    before = timed.host_before_s if "host_before_s" in timed else pd.Series(dtype=float)
-    split = (before / host)[before.notna() & (host > 0)].clip(0.0, 1.0)
-    if len(split):  # runs that say when each forward was launched
-        costs["profile_host_before"] = float(split.median())
+    if "host_before_s" in timed:  # runs that say when each forward was launched
+        split = (timed.host_before_s / host)[timed.host_before_s.notna() & (host > 0)]
+        if len(split):
+            costs["profile_host_before"] = float(split.clip(0.0, 1.0).median())
     return costs
 
 
@@ -359,6 +359,11 @@ def _ranges(values: pd.Series, bins: int) -> list[tuple[float, float, bool]]:
     return [(float(lo), float(hi), k == len(pairs) - 1) for k, (lo, hi) in enumerate(pairs)]
 
 
+def _within(values: pd.Series, lo: float, hi: float, last: bool) -> pd.Series:
+    """Which `values` lie in a range of `_ranges`."""
+    return (values >= lo) & ((values <= hi) if last else (values < hi))
+
+
 def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:
     """A run's passes against its replay's, where they have device times: those with a prompt
     chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
@@ -375,9 +380,7 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
         if h.empty or r.empty:
             continue
         for lo, hi, last in _ranges(h[size], bins):
-            a, b = (
-                t[(t[size] >= lo) & ((t[size] <= hi) if last else (t[size] < hi))] for t in (h, r)
-            )
+            a, b = (t[_within(t[size], lo, hi, last)] for t in (h, r))
             if a.empty or b.empty:
                 continue
             (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
@@ -473,11 +476,10 @@ def pass_offsets(steps: pd.DataFrame, exp: Experiment) -> list[list[float]]:
     chunks = steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
     if chunks.empty:
         return []
-    beyond = chunks.device_s - shape_device(chunks, exp)
+    tokens, beyond = chunks.prefill_tokens, chunks.device_s - shape_device(chunks, exp)
     out = []
-    for lo, hi, last in _ranges(chunks.prefill_tokens, PASS_BINS):
-        tokens = chunks.prefill_tokens
-        pick = (tokens >= lo) & ((tokens <= hi) if last else (tokens < hi))
+    for lo, hi, last in _ranges(tokens, PASS_BINS):
+        pick = _within(tokens, lo, hi, last)
         out.append([float(tokens[pick].median()), float(beyond[pick].median())])
     return out
 

@@ -396,10 +396,10 @@ def _host_ends(before: float) -> list[float]:
     """When a decode pass of 2 ms host and 6 ms device and a prefill pass of 30 ms device, both
     from 0, end on a GPU taking turns at 4 ms, `before` of the host time first."""
     env, ends = Clock(), [0.0, 0.0]
-    gpu = SharedGPU(env, 0.9, None, 4e-3)
+    gpu = SharedGPU(env, 0.9, None, 4e-3, before)
 
     def one(i: int, device_s: float, host_s: float, decode_only: bool) -> Proc:
-        yield from gpu.run(device_s, decode_only, host_s, before)
+        yield from gpu.run(device_s, decode_only, host_s)
         ends[i] = env.now
 
     env.start(one(0, 6e-3, 2e-3, True))

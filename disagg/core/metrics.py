@@ -138,10 +138,8 @@ class Recorder:
         chunks, d = batch.chunks, len(batch.decodes)
         prefill = sum(c.tokens for c in chunks) if chunks else 0  # batch.prefill_tokens, inlined
         rows, tokens = len(chunks) + d, prefill + d * decode_qo
-        if pairs is None:
-            pairs = batch.prefill_attn_pairs if chunks else 0.0
-        if context is None:
-            context = batch.decode_context
+        pairs = batch.prefill_attn_pairs if pairs is None else pairs
+        context = batch.decode_context if context is None else context
         # the row of `step`, appended here: one per pass or run of passes
         self.steps.append(
             (

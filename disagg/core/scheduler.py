@@ -49,7 +49,7 @@ class Batch:
     @property
     def prefill_attn_pairs(self) -> float:
         """The (query, key) pairs of its chunks' attention, all together."""
-        return sum(chunk_attn_pairs(c.start, c.tokens) for c in self.chunks)
+        return float(sum(chunk_attn_pairs(c.start, c.tokens) for c in self.chunks))
 
     @property
     def decode_context(self) -> float:

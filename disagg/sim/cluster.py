@@ -212,8 +212,7 @@ class Node(Generic[R]):
             yield from gpu.run(seconds, not prefill)
         else:
             host = min(seconds, self.cost.host_s(prefill, decodes))
-            before = self.sim.exp.cost.profile_host_before
-            yield from gpu.run(seconds - host, not prefill, host, before)
+            yield from gpu.run(seconds - host, not prefill, host)
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError
@@ -472,7 +471,9 @@ class Sim:
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
         self.gpu = (
-            SharedGPU(self.env, c.decode_share, c.prefill_share, c.switch_s)
+            SharedGPU(
+                self.env, c.decode_share, c.prefill_share, c.switch_s, exp.cost.profile_host_before
+            )
             if c.shared_gpu
             else None
         )

@@ -45,12 +45,14 @@ class SharedGPU:
         decode_share: float,
         prefill_share: float | None = None,
         switch_s: float | None = None,
+        host_before: float = 1.0,
     ) -> None:
         self.env = env
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
         self.weights = (decode_share, prefill)  # decode-only, with a prompt chunk
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
+        self.host_before = host_before  # the part of a pass's host time before its device time
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
@@ -76,17 +78,13 @@ class SharedGPU:
         return seconds / self.pace(w, total, len(self.running) + 1)
 
     def run(
-        self,
-        seconds: float,
-        decode_only: bool,
-        host_s: float | None = None,
-        host_before: float = 1.0,
+        self, seconds: float, decode_only: bool, host_s: float | None = None
     ) -> Generator[Any, Any, None]:
         """A pass of `seconds` on the device and, if given, `host_s` on the host, which takes
         no turns: `host_before` of it before the device time, the rest after."""
-        env = self.env
+        env, before = self.env, self.host_before
         if host_s is not None:
-            yield host_s * host_before
+            yield host_s * before
         self._advance()
         done, t0 = env.event(), env._now
         self.running[done] = [seconds, self.weight(seconds, decode_only)]
@@ -95,8 +93,8 @@ class SharedGPU:
         if env._now - t0 > seconds * (1 + 1e-9):
             self.shared += 1
             self.lost_s += env._now - t0 - seconds
-        if host_s is not None and host_before < 1:
-            yield host_s * (1 - host_before)
+        if host_s is not None and before < 1:
+            yield host_s * (1 - before)
 
     def _advance(self) -> None:
         now = self.env._now
