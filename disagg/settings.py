@@ -31,7 +31,7 @@ class LatencyConfig(_Frozen):
     plan_ahead: bool = True
     # a server plans its next decode pass while this one runs on the GPU (the same rows one
     # token on, less those it finishes), and uses the plan if that is the next pass
-    overlap: bool = False
+    overlap: bool = True
     # a prefill posts a pass's metadata when its last layer is seen, ordered after the pass on
     # the wire (the cuda wire's copy stream waits on an event), instead of after a host sync
     meta_in_stream: bool = False
