@@ -485,7 +485,7 @@ RATIO_TICKS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 def plot_passes(steps: Mapping[str, pd.DataFrame], path: Path) -> Path | None:
     """One panel per run: each pass's measured device time over the profile's for a pass of
-    its own shape alone (`shape_device_s`, disagg.validate.shape_device), against the latter,
+    its own shape alone (`shape_device_s`, disagg.validate_passes.shape_device), against the latter,
     decode-only passes and passes with a prompt chunk apart (log scale; 1 and +-5% marked);
     `steps[run]` is its steps table. Returns `path`, or None where no run has both times (the
     CPU, or steps tables from before the shape columns)."""

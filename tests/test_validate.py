@@ -34,18 +34,14 @@ from disagg.fidelity import (
     spread_table,
     widest_spreads,
 )
-from disagg.validate import (
+from disagg.validate import calibration_run, loop_costs, own_host, pass_gaps, start_parts
+from disagg.validate_passes import (
     PASS_COLUMNS,
-    calibration_run,
     chunk_offsets,
     has_shapes,
-    loop_costs,
-    own_host,
-    pass_gaps,
     pass_offsets,
     pass_table,
     shape_device,
-    start_parts,
 )
 from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
 

@@ -1,0 +1,201 @@
+"""A hw run's passes against the cost model, for `disagg validate`: the run's passes and its
+replay's side by side by size (`pass_table`, `pass_report`), each pass at its own shape by the
+profile (`shape_device`), and what passes with a prompt chunk take beyond it
+(`pass_offsets`; `chunk_offsets` for steps tables from before the shape columns). No torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from disagg.config import Experiment
+from disagg.sim.costmodel import CostModel, StepShape, make_cost_model
+
+SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
+PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
+PASS_COLUMNS = [
+    *("kind", "size", "hw_n", "sim_n"),
+    *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s", "shape_device_s"),
+    "hw_before_s",
+]
+
+
+def _ranges(values: pd.Series, bins: int) -> list[tuple[float, float, bool]]:
+    """`bins` ranges of `values` between its quantiles, as (low, high, last): a range holds
+    its low end, and the last one its high end too (one range if all values are equal)."""
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    if len(edges) == 1:
+        return [(float(edges[0]), float(edges[0]), True)]
+    pairs = list(itertools.pairwise(edges))
+    return [(float(lo), float(hi), k == len(pairs) - 1) for k, (lo, hi) in enumerate(pairs)]
+
+
+def _within(values: pd.Series, lo: float, hi: float, last: bool) -> pd.Series:
+    """Which `values` lie in a range of `_ranges`."""
+    return (values >= lo) & ((values <= hi) if last else (values < hi))
+
+
+def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:
+    """A run's passes against its replay's, where they have device times: those with a prompt
+    chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
+    in ranges of batch size (the run's quantiles); per range the run's median size, each
+    side's passes and their median device and host (duration less device) seconds per pass
+    (a steps row of several passes counts as that many), and the medians of the run's
+    `shape_device_s` (`shape_device`) and `host_before_s` (NaN where `hw` has none). Columns
+    PASS_COLUMNS; no rows without device times (the CPU)."""
+    rows = []
+    for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
+        h, r = (
+            t[((t.prefill_tokens > 0) == (kind == "chunk")) & t.device_s.notna()] for t in (hw, sim)
+        )
+        if h.empty or r.empty:
+            continue
+        for lo, hi, last in _ranges(h[size], bins):
+            a, b = (t[_within(t[size], lo, hi, last)] for t in (h, r))
+            if a.empty or b.empty:
+                continue
+            (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
+            shaped = a.shape_device_s.median() if "shape_device_s" in a else math.nan
+            before = a.host_before_s.median() if "host_before_s" in a else math.nan
+            rows.append(
+                (
+                    kind,
+                    float(np.median(np.repeat(a[size].to_numpy(float), _steps(a)))),
+                    an,
+                    bn,
+                    ad,
+                    bd,
+                    ah,
+                    bh,
+                    float(shaped),
+                    float(before),
+                )
+            )
+    return pd.DataFrame(rows, columns=PASS_COLUMNS)
+
+
+def shape_device(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
+    """Per row of `steps`, the device time that `exp`'s cost model gives a pass of the row's
+    shape on the row's node alone (its group's and role's model: a prefill, decode or
+    colocated node): what the run's passes would have taken by the profile, whatever the
+    replay's passes were. NaN for a row of several passes or without a shape (a table from
+    before the shape columns)."""
+    groups = {"colocated": exp.cluster.colocated, "prefill": exp.cluster.prefill}
+    groups["decode"] = exp.cluster.decode
+    costs: dict[str, CostModel] = {}
+    out = np.full(len(steps), math.nan)
+    if not all(c in steps for c in SHAPE_COLUMNS):
+        return pd.Series(out, index=steps.index)
+    rows = zip(
+        *(steps[c].to_numpy() for c in ("node", "steps", "prefill_tokens", "decode_seqs")),
+        *(steps[c].to_numpy(float) for c in SHAPE_COLUMNS),
+        strict=True,
+    )
+    for i, (node, passes, n, d, pairs, context) in enumerate(rows):
+        if passes != 1 or math.isnan(pairs) or math.isnan(context):
+            continue
+        role = str(node).rstrip("0123456789")
+        if role not in costs:
+            costs[role] = make_cost_model(exp, groups[role], role)
+        cost = costs[role]
+        out[i] = cost.step_time(StepShape(int(n), pairs, int(d), context)) - cost.host_s(n > 0, d)
+    return pd.Series(out, index=steps.index)
+
+
+def _steps(rows: pd.DataFrame) -> np.ndarray:
+    """Passes per steps row (a simulated run of identical decode passes is one row)."""
+    return rows.steps.to_numpy(int) if "steps" in rows else np.ones(len(rows), int)
+
+
+def _per_pass(rows: pd.DataFrame) -> tuple[float, float, int]:
+    """(median device s, median host s, passes) over the passes of steps rows."""
+    n = _steps(rows)
+    device = rows.device_s.to_numpy(float) / n
+    host = (rows.duration_s.to_numpy(float) - rows.device_s.to_numpy(float)) / n
+    return (
+        float(np.median(np.repeat(device, n))),
+        float(np.median(np.repeat(host, n))),
+        int(n.sum()),
+    )
+
+
+def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
+    """`[cost] profile_chunk_offsets` from serving runs' steps (`hw`, concatenated) and their
+    replays' on the profile (`sim`): per range of chunk tokens of `pass_table`, its median
+    tokens and the runs' median device time less the replays'. [] without device times (the
+    CPU). For runs whose steps tables predate the passes' shapes (`pass_offsets`)."""
+    t = pass_table(hw, sim)
+    t = t[t.kind == "chunk"]
+    return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
+
+
+def has_shapes(steps: pd.DataFrame) -> bool:
+    """Whether every pass of `steps` with a prompt chunk says its shape (tables written before
+    the shape columns do not)."""
+    if not all(c in steps for c in SHAPE_COLUMNS):
+        return False
+    chunks = steps[steps.prefill_tokens > 0]
+    return bool(chunks[list(SHAPE_COLUMNS)].notna().all(axis=None))
+
+
+def pass_offsets(steps: pd.DataFrame, exp: Experiment) -> list[list[float]]:
+    """`[cost] profile_chunk_offsets` from serving runs' steps (concatenated; `has_shapes`),
+    pass by pass: each pass with a prompt chunk and a device time, less what `exp` (its cost
+    without chunk offsets) gives a pass of its shape (`shape_device`); per range of chunk
+    tokens of `pass_table`, its median tokens and the passes' median difference. [] without
+    device times (the CPU)."""
+    chunks = steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
+    if chunks.empty:
+        return []
+    tokens, beyond = chunks.prefill_tokens, chunks.device_s - shape_device(chunks, exp)
+    out = []
+    for lo, hi, last in _ranges(tokens, PASS_BINS):
+        pick = _within(tokens, lo, hi, last)
+        out.append([float(tokens[pick].median()), float(beyond[pick].median())])
+    return out
+
+
+def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
+    """out/passes.csv (PASS_COLUMNS with each run's label first) and out/passes.md (device
+    time per pass, ms, hw and profile replay, by run and range)."""
+    both = [t.assign(run=label) for label, t in tables.items() if not t.empty]
+    table = (
+        pd.concat(both)[["run", *PASS_COLUMNS]]
+        if both
+        else pd.DataFrame(columns=["run", *PASS_COLUMNS])
+    )
+    table.to_csv(out / "passes.csv", index=False)
+    lines = [
+        "# Passes: device time, hw against the profile replay",
+        "",
+        "Median device time of the passes in each range (ms); size: median chunk tokens (chunk)",
+        "or batch (decode); host: duration less device (ms). No rows: no device times.",
+        "At its shape: the profile's device time for each of the run's passes at its own shape,",
+        "alone on its node (the median; beside another node's pass on one GPU a pass takes",
+        "longer), so shape/hw is the device model's error on the very passes the run ran;",
+        "- for a run whose steps table has no shape columns. Host hw (before): of it, the median",
+        "time before the host began to launch the pass's forward (batch, plan, inputs).",
+        "",
+        "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | at its shape "
+        "| shape/hw | host hw (before) | host sim |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in table.to_dict("records"):
+        hw_s, sim_s = float(row["hw_device_s"]), float(row["sim_device_s"])
+        shaped = float(row["shape_device_s"])
+        at_shape = "- | -" if math.isnan(shaped) else f"{shaped * 1e3:.2f} | {shaped / hw_s:.3f}"
+        ahead = float(row["hw_before_s"])
+        before = "" if math.isnan(ahead) else f" ({ahead * 1e3:.2f})"
+        lines.append(
+            f"| {row['run']} | {row['kind']} | {float(row['size']):g} | "
+            f"{row['hw_n']} / {row['sim_n']} | {hw_s * 1e3:.2f} | {sim_s * 1e3:.2f} | "
+            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_host_s']) * 1e3:.2f}{before} | "
+            f"{float(row['sim_host_s']) * 1e3:.2f} |"
+        )
+    (out / "passes.md").write_text("\n".join(lines) + "\n")
