@@ -114,6 +114,6 @@ fi
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py tests/test_hw_profile.py \
-  tests/test_hw_tp_cuda.py tests/test_hw_overlap.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
+  tests/test_hw_tp_cuda.py tests/test_hw_overlap.py tests/test_hw_pieces.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
 tar -czf "$OUT/runs.tgz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
 true

@@ -370,6 +370,26 @@ class Experiment(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _prefill_graphs(self) -> Experiment:
+        """hw.latency.prefill_graphs fits dense GQA models on one rank a node (disagg.hw.pieces)."""
+        sizes, spec = self.hw.latency.prefill_graphs, self.model.spec
+        if not sizes:
+            return self
+        why = [f"{spec.name} is MLA"] if spec.attention == "mla" else []
+        why += [f"{spec.name} has routed experts"] if spec.is_moe else []
+        why += [
+            f"cluster.{role} has tp={g.tp} x dp={g.dp}"
+            for role, g in self.cluster.groups.items()
+            if g.gpus_per_node > 1
+        ]
+        if why:
+            raise ValueError(
+                f"hw.latency.prefill_graphs={list(sizes)}: for dense GQA models on one rank a "
+                f"node, but {'; '.join(why)}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _faults(self) -> Experiment:
         faults.check(self.faults, {role: g.nodes for role, g in self.cluster.groups.items()})
         return self

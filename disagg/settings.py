@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 HW_PAGES = 512  # KV pages per hw server when the experiment leaves kv.pages unset
 
@@ -32,6 +32,11 @@ class LatencyConfig(_Frozen):
     # a server plans its next decode pass while this one runs on the GPU (the same rows one
     # token on, less those it finishes), and uses the plan if that is the next pass
     overlap: bool = True
+    # a pass with a prompt chunk of at most max(prefill_graphs) new tokens, all told, replays
+    # CUDA graphs of its work between attentions, captured at start for each size here and run
+    # at the next size up (disagg.hw.pieces; dense GQA models on one rank only); (): each such
+    # pass is launched op by op
+    prefill_graphs: tuple[PositiveInt, ...] = ()
     # a prefill posts a pass's metadata when its last layer is seen, ordered after the pass on
     # the wire (the cuda wire's copy stream waits on an event), instead of after a host sync
     meta_in_stream: bool = False

@@ -271,6 +271,7 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
             reduce=min if cpu else statistics.median,
             fused_ops=exps[0].hw.latency.fused_ops,
             weight_cache=exps[0].hw.weight_cache,
+            prefill_graphs=exps[0].hw.latency.prefill_graphs,
             **asdict(profile_grid(exps, opts.grid_points)),
         )
     write_csv(df, csv)

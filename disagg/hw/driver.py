@@ -603,8 +603,11 @@ def run_hw(
     summary["startup_s"] = startup_s
     summary["node_settings"] = {name: r.settings for name, r in sorted(state.records.items())}
     summary["driver_cores"] = driver_cores
-    counters = ("passes_planned_ahead", "graphs_captured_on_demand", "messages_before_start")
-    for key in (*counters, "messages_dropped", "peers_declared_dead", "faults_injected"):
+    counters = [
+        *("passes_planned_ahead", "graphs_captured_on_demand", "passes_in_pieces"),
+        *("messages_before_start", "messages_dropped", "peers_declared_dead", "faults_injected"),
+    ]
+    for key in counters:
         summary[key] = sum(r.counters.get(key, 0) for r in state.records.values())
     summary["messages_dropped"] += driver.control.dropped  # the driver's own refusals too
     summary["pages_in_use"] = {

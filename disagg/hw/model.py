@@ -330,7 +330,7 @@ class Transformer:
         """
         ops = self.ops()
         h = self.embed[x.input_ids]
-        cos, sin = rope_tables(x.positions, self.inv_freq, self.dtype)
+        cos, sin = self.rope_tables(x.positions)
         for i, layer in enumerate(self.layers):
             a = ops.norm(h, layer["ln1"])
             if group is None:
@@ -345,17 +345,65 @@ class Transformer:
                 h = h + self._reduce(part)
             if on_layer is not None:
                 on_layer()
-            m = ops.norm(h, layer["ln2"])
-            if i in self.moes:
-                h = h + self._reduce(self.moes[i](m))
-            else:
-                gate_up = F.linear(m, layer["w_gate_up"])
-                h = self._row_parallel(h, ops.silu_mul(gate_up), layer["w_down"])
-        last = ops.norm(h[x.last_rows], self.final_norm)
+            h = self._mlp(i, h, ops)
+        return self.head(h, x)
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether a pass runs as `piece`s: a dense GQA model on one rank (a pass's work then
+        depends on its tokens alone, but for attention)."""
+        return not self.mla and not self.moes and self.tp is None
+
+    def piece(
+        self,
+        i: int,
+        h: torch.Tensor | None,
+        o: torch.Tensor,
+        x: StepTensors,
+        cache: KVCache,
+        tables: Tables,
+        on_layer: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A `piecewise` pass's work between layer i-1's attention and layer i's: layer i-1's
+        output projection of its attention `o` (rows of `x`), `on_layer`, and its MLP (before
+        layer 0: the embedding), then layer i's norm, qkv, RoPE and KV write. The hidden
+        states, and layer i's q to attend (None past the last layer). The pass's steps, in
+        `forward_tensors`' order."""
+        ops = self.ops()
+        if i == 0:
+            h = self.embed[x.input_ids]
+        else:
+            assert h is not None
+            h = self._row_parallel(h, o, self.layers[i - 1]["wo"])
+            if on_layer is not None:
+                on_layer()
+            h = self._mlp(i - 1, h, ops)
+        if i == len(self.layers):
+            return h, None
+        layer = self.layers[i]
+        return h, self._qkv(layer, ops.norm(h, layer["ln1"]), tables, x, cache, i, ops)
+
+    def rope_tables(self, positions: torch.Tensor) -> Tables:
+        """RoPE's (cos, sin) at `positions`."""
+        return rope_tables(positions, self.inv_freq, self.dtype)
+
+    def head(self, h: torch.Tensor, x: StepTensors) -> ForwardOut:
+        """The pass's outputs from its final hidden states `h` (rows of `x`): each sequence's
+        logits at its last row, its hidden state at `hidden_rows`."""
+        last = self.ops().norm(h[x.last_rows], self.final_norm)
         logits = F.linear(last, self.lm_head).float()
         if self.tp is not None:
             logits = self.tp.all_gather(logits)
         return ForwardOut(logits, h[x.hidden_rows])
+
+    def _mlp(self, i: int, h: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """Layer i's MLP block on `h`: its norm, the MLP (or the experts), the residual."""
+        layer = self.layers[i]
+        m = ops.norm(h, layer["ln2"])
+        if i in self.moes:
+            return h + self._reduce(self.moes[i](m))
+        gate_up = F.linear(m, layer["w_gate_up"])
+        return self._row_parallel(h, ops.silu_mul(gate_up), layer["w_down"])
 
     def _attend(
         self,
@@ -371,7 +419,8 @@ class Transformer:
         """Layer `i`'s attention of the tokens `a` (rows of `x`), before `wo`."""
         if self.mla:
             return self._mla(layer, a, *tables, x, cache, i, attn)
-        return self._gqa(layer, a, tables, x, cache, i, attn, ops)
+        q = self._qkv(layer, a, tables, x, cache, i, ops)
+        return attn.run(cache.layers[i], q).reshape(a.shape[0], -1)
 
     def _row_parallel(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h + x @ w.T, the product summed over the tp group (w holds this rank's columns)."""
@@ -390,7 +439,7 @@ class Transformer:
             self._fused = FusedOps()
         return self._fused
 
-    def _gqa(
+    def _qkv(
         self,
         layer: dict[str, torch.Tensor],
         a: torch.Tensor,
@@ -398,18 +447,17 @@ class Transformer:
         x: StepTensors,
         cache: KVCache,
         i: int,
-        attn: Attention,
         ops: TorchOps,
     ) -> torch.Tensor:
-        s, t = self.spec, a.shape[0]
+        """Layer `i`'s q of the tokens `a`, roped, its k and v roped and written to the cache."""
         q, k, v = (
             F.linear(a, layer["wqkv"])
-            .view(t, -1, s.head_dim)
+            .view(a.shape[0], -1, self.spec.head_dim)
             .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         )
         q, k = ops.rope(q, k, x.positions, tables)
         write_kv(cache.layers[i], x, cache.layout.layout, k, v)
-        return attn.run(cache.layers[i], q).reshape(t, -1)
+        return q
 
     def _mla(
         self,

@@ -115,8 +115,13 @@ class Server:
         graphs = () if self.kind == "prefill" or self.tp is not None else GRAPH_BATCHES
         runner = Runner if self.tp is None else LeaderRunner
         self.runner = runner(
-            self.model, self.cache, attention=self.hw.attention, graph_batches=graphs
+            self.model,
+            self.cache,
+            attention=self.hw.attention,
+            graph_batches=graphs,
+            prefill_graphs=self.hw.latency.prefill_graphs,
         )
+        self.runner.capture_pieces()  # before the warm-up pass, which replays them
         self.warm_up_s: float | None = None  # its warm-up pass (None: none ran)
         warm = self.hw.warm_up
         if self.model.device.type == "cuda" if warm is None else warm:  # one-time costs, now
@@ -169,6 +174,7 @@ class Server:
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
+                    "passes_in_pieces": self.runner.passes_in_pieces,
                     "messages_before_start": self.early_messages,
                     "messages_dropped": self.dropped + self.control.dropped,  # protocol + socket
                     "peers_declared_dead": self.peers_declared_dead,

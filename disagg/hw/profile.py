@@ -124,12 +124,15 @@ def profile(
     fused_ops: bool = True,
     decode_mix: Sequence[int] = (),
     weight_cache: str | None = None,
+    prefill_graphs: Sequence[int] = (),
 ) -> pd.DataFrame:
     """Step durations and host times over the grids, each `reduce` (default: the median) of
     its `repeats` times (see the module doc for the columns). `min` suits a shared CPU, where
     a run of the same shape is now and then stalled by other processes. `fused_ops`: the
     model's FlashInfer elementwise kernels on CUDA (as the experiment's hw.latency.fused_ops).
-    `weight_cache`: where drawn weights are kept (as the experiment's hw.weight_cache)."""
+    `weight_cache`: where drawn weights are kept (as the experiment's hw.weight_cache).
+    `prefill_graphs`: passes with a prompt chunk in CUDA graphs between their attentions (as
+    the experiment's hw.latency.prefill_graphs, captured before the first pass)."""
     dev = resolve_device(device)
     model = Transformer(
         spec.with_layers(layers),
@@ -151,7 +154,8 @@ def profile(
     need += [pages(ctx) for ctx in decode]
     need += [pages_for(n, page_size) + pages(ctx) for n, ctx in beside]
     cache = model.new_cache(max(need, default=1), page_size, layout)
-    runner = Runner(model, cache, attention=attention)
+    runner = Runner(model, cache, attention=attention, prefill_graphs=prefill_graphs)
+    runner.capture_pieces()
     rows = []
     for n, c in prefill:
         seqs = [_prompt(n, c, page_size, spec.vocab)]

@@ -133,8 +133,9 @@ class Records:
     settings: dict[str, Any] = field(default_factory=dict)  # what this process ran with
     # passes_planned_ahead: decode passes planned while their KV was inbound;
     # graphs_captured_on_demand: decode graphs captured when first needed (by a step or a plan
-    # ahead), not at start; messages_before_start: peers' messages that came before the
-    # driver's Start (kept, and handled after it)
+    # ahead), not at start; passes_in_pieces: passes that replayed hw.latency.prefill_graphs'
+    # pieces; messages_before_start: peers' messages that came before the driver's Start
+    # (kept, and handled after it)
     counters: dict[str, int] = field(default_factory=dict)
     hops: tuple[tuple[Any, ...], ...] = ()  # request_id, node, event, t_s: see Server.mark
 

@@ -23,6 +23,7 @@ from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import on_device
 from disagg.hw.model import ForwardOut, Transformer
+from disagg.hw.pieces import PrefillPieces, pieces_size
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -210,9 +211,15 @@ class Runner:
         attention: str = "auto",
         graph_batches: Sequence[int] = GRAPH_BATCHES,
         counter: LayerCounter | None = None,
+        prefill_graphs: Sequence[int] = (),
     ) -> None:
         if len(cache.layers) != model.spec.layers:
             raise ConfigError(f"cache has {len(cache.layers)} layers, model {model.spec.layers}")
+        if prefill_graphs and not model.piecewise:
+            raise ConfigError(
+                f"hw.latency.prefill_graphs {list(prefill_graphs)}: for dense GQA models on one "
+                f"rank only, not {model.spec.name}{' on TP ranks' if model.tp else ''}"
+            )
         self.model, self.cache, self.device = model, cache, model.device
         self.shape = model.attn_shape(cache.page_size, cache.layout.layout)  # this rank's heads
         self.attn = make_attention(attention, self.shape, self.device, model.dtype)
@@ -223,6 +230,9 @@ class Runner:
         self.workspace = self.attn.workspace if isinstance(self.attn, FlashInferAttention) else None
         self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
         self._graphs: dict[int, _DecodeGraph] = {}
+        self.prefill_graphs = sorted(set(prefill_graphs))  # see disagg.hw.pieces
+        self._pieces: dict[int, PrefillPieces] = {}
+        self.passes_in_pieces = 0  # eager passes run in pieces (`prefill_graphs`)
         self.graph_error = ""
         self._staged: torch.cuda.Event | None = None
         self._timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -249,6 +259,33 @@ class Runner:
         sizes = batches_to_capture(self.graph_batches, max_batch)
         if sizes:
             self.capture(sizes)
+
+    def capture_pieces(self) -> None:
+        """Capture the graphs of every size of `prefill_graphs` now (largest first), so that no
+        pass with a prompt chunk pays a capture."""
+        for tokens in sorted(self.prefill_graphs, reverse=True):
+            self._pieces_of(tokens)
+
+    def _pieces_of(self, tokens: int) -> PrefillPieces | None:
+        """The pieces of size `tokens`, captured now if need be (on a GPU; on the CPU they run
+        as they come); None, and passes eager, once a capture failed (`graph_error`)."""
+        if tokens not in self._pieces and not self.graph_error:
+            began = time.perf_counter()
+            try:
+                self._pieces[tokens] = PrefillPieces(
+                    self.model,
+                    self.cache,
+                    tokens,
+                    self.counter.bump,
+                    self.graph_pool,
+                    capture=self.graph_pool is not None,
+                )
+            except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
+                self.graph_error = f"CUDA graph capture failed, prefill runs eagerly: {e}"
+                warnings.warn(self.graph_error, stacklevel=3)
+            if self.graph_pool is not None:
+                self.capture_s += time.perf_counter() - began
+        return self._pieces.get(tokens)
 
     def _graph(self, batch: int, on_demand: bool = False) -> _DecodeGraph | None:
         """The graph for `batch`, captured now if need be (`on_demand`: by a step or a plan
@@ -386,10 +423,16 @@ class Runner:
             self._wait_staged()
             x = self.model.planned_inputs(batch, self.cache, self.attn, group)
             self._mark_staged()
+            size = pieces_size(self.prefill_graphs, x.input_ids.numel())
+            pieces = None if size is None else self._pieces_of(size)
             with self._timing():
-                out = self.model.forward_tensors(
-                    x, self.cache, self.attn, self.counter.bump, group=group
-                )
+                if pieces is not None:
+                    out = pieces.run(x, self.attn)
+                    self.passes_in_pieces += 1
+                else:
+                    out = self.model.forward_tensors(
+                        x, self.cache, self.attn, self.counter.bump, group=group
+                    )
         self.steps += 1
         if then:  # host work while the device runs this step: its copies queue behind it
             self.plan_ahead(then, in_flight=True)
