@@ -27,6 +27,8 @@
 # than one call goes on in the next with VALIDATE_ARGS="... --resume" (the same other flags).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
+# PIECES=1 adds benchmarks/prefill_pieces.py (about 1 min): a pass with a prompt chunk launched
+# op by op against in hw.latency.prefill_graphs' pieces, launch / device / wall by its tokens.
 # PYSPY=1 adds a py-spy sample of a colocated Llama run at the validate's top load (carry
 # py-spy's wheel in .whl; PYSPY_ARGS replaces the run's flags): pyspy_host.md says where each
 # pass's host time goes, by function and line (benchmarks/pyspy_host.py); and host_pass.csv,
@@ -65,6 +67,9 @@ done
 [ -z "${HOP:-}" ] || timeout 300 python3 benchmarks/control_hop.py --prompts 16,2048 --count 60 \
   --latency off --pin off,on --out "$RUNS/hop" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
+[ -z "${PIECES:-}" ] || timeout 300 python3 benchmarks/prefill_pieces.py --device "$D" \
+  --out "$RUNS/pieces" 2>&1 | tail -16 | tee -a "$LOG"
+cp "$RUNS"/pieces/prefill_pieces.md "$OUT"/ 2>/dev/null
 [ -z "${TPOT:-}" ] || timeout 400 python3 benchmarks/gpu_tpot.py --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/tpot" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/tpot/gpu_tpot.md "$RUNS"/tpot/gpu_tpot*.png "$OUT"/ 2>/dev/null

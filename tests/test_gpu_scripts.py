@@ -202,6 +202,22 @@ def test_first_pass_dry_run_times_every_condition(tmp_path: Path) -> None:
     assert all(row["wall"] > 0 and row["tail and rest"] == row["wall"] for row in ms.values())
 
 
+def test_prefill_pieces_dry_run_times_both_modes_at_every_size(tmp_path: Path) -> None:
+    """prefill_pieces.py on the CPU: each pass of 16 and 64 tokens, with 0 and 3 decode rows,
+    in both modes, with a launch and a wall time (no device time without a GPU); every pieces
+    pass ran in pieces, and the two modes gave the same greedy tokens."""
+    done = _script("prefill_pieces.py", "--device", "cpu", "--model", "tiny-gqa", "--tokens",
+                   "16,64", "--decodes", "0,3", "--warmup", "1", "--repeats", "2", "--out",
+                   str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((tmp_path / "prefill_pieces.json").read_text())
+    cells = {(r["mode"], r["tokens"], r["decodes"]) for r in got["rows"]}
+    assert cells == {(m, n, d) for m in ("eager", "pieces") for n in (16, 64) for d in (0, 3)}
+    assert all(r["launch"] > 0 and r["wall"] >= r["launch"] for r in got["rows"])
+    assert all(math.isnan(r["device"]) for r in got["rows"])
+    assert got["passes_in_pieces"] == 2 * 2 * 3 and got["differ"] == 0
+
+
 def test_copy_ways_dry_run_checks_every_ways_bytes(tmp_path: Path) -> None:
     """On CPU tensors every torch way copies the run of every layer exactly; the driver's way
     needs a GPU and is recorded as failed, not skipped silently."""
