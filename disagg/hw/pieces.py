@@ -102,7 +102,7 @@ class PrefillPieces:
             if q is not None:
                 self.o[:n].copy_(attn.run(self.cache.layers[i], q[:n]).reshape(n, -1))
         assert self.h is not None
-        return self.model.head(self.h[:n], x)
+        return self.model.head(self.h, x)  # x's rows index its own tokens: none of the padding
 
 
 def pieces_size(sizes: list[int], tokens: int) -> int | None:
