@@ -285,7 +285,7 @@ def test_disaggregated_equals_colocated(
     for r in state.records.values():  # weights drawn and pages allocated; no graphs on a CPU
         assert r.settings["build_s"] > 0 and r.settings["capture_s"] == 0
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
-    assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump()
+    assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump(mode="json")
     assert ran["kv"]["pages"] == 128
     replay = Sim(load_experiment(tmp_path / "disagg"))  # the run simulated as it ran
     assert [n.pool.num_pages for n in replay.nodes] == [128, 128]
