@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.core.kvcache import pages_for
 from disagg.hw.batch import Seq
 from disagg.hw.device import resolve_device
 from disagg.hw.model import Transformer
@@ -72,7 +73,7 @@ def main() -> None:
     most = max(args.decodes)
     if most >= min(args.tokens):
         raise SystemExit(f"--decodes {most}: a pass of {min(args.tokens)} tokens holds fewer")
-    pages = most * -(-(CONTEXT + 1) // PAGE) + -(-max(args.tokens) // PAGE)
+    pages = most * pages_for(CONTEXT + 1, PAGE) + pages_for(max(args.tokens), PAGE)
     runners = {
         "eager": Runner(model, model.new_cache(pages, PAGE), graph_batches=()),
         "pieces": Runner(
@@ -126,7 +127,8 @@ def main() -> None:
     )
     (args.out / "prefill_pieces.md").write_text(md)
     summary = {"rows": rows, "capture_s": capture_s, "passes_in_pieces": in_pieces}
-    (args.out / "prefill_pieces.json").write_text(json.dumps(summary | {"differ": differ}) + "\n")
+    summary["differ"] = differ
+    (args.out / "prefill_pieces.json").write_text(json.dumps(summary) + "\n")
     print(md)
 
 

@@ -87,6 +87,7 @@ def test_a_runner_runs_a_pass_in_the_smallest_size_that_holds_it() -> None:
         assert got.tokens == want.tokens
         assert pieces.counter.read() == plain.counter.read()
     assert sorted(pieces._pieces) == [64]  # captured (here: built) when first needed
+    assert pieces.passes_in_pieces == 1  # the 80-token pass ran eagerly
     assert pieces.counter.read() == 2 * m.spec.layers
     pieces.capture_pieces()
     assert sorted(pieces._pieces) == [16, 64] and pieces.capture_s == 0  # the CPU captures none

@@ -22,7 +22,6 @@ import torch
 from disagg.hw.attention import Attention
 from disagg.hw.batch import StepTensors
 from disagg.hw.cache import KVCache
-from disagg.hw.device import on_device
 from disagg.hw.model import ForwardOut, Transformer
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_pages", "slot_offsets")  # StepTensors' per token
@@ -56,9 +55,8 @@ class PrefillPieces:
         self.q: list[torch.Tensor | None] = [None] * (len(model.layers) + 1)  # layer i's q
         self.tables = model.rope_tables(self.x.positions)  # piece 0's, at the pass's positions
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        if capture:
-            with on_device(dev):
-                self._capture(on_layer, pool)
+        if capture:  # on the current device's streams (the runner's)
+            self._capture(on_layer, pool)
         self.on_layer = on_layer
 
     def _piece(self, i: int, on_layer: Callable[[], None] | None) -> None:

@@ -14,6 +14,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -270,21 +272,11 @@ class Runner:
         """The pieces of size `tokens`, captured now if need be (on a GPU; on the CPU they run
         as they come); None, and passes eager, once a capture failed (`graph_error`)."""
         if tokens not in self._pieces and not self.graph_error:
-            began = time.perf_counter()
-            try:
-                self._pieces[tokens] = PrefillPieces(
-                    self.model,
-                    self.cache,
-                    tokens,
-                    self.counter.bump,
-                    self.graph_pool,
-                    capture=self.graph_pool is not None,
-                )
-            except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
-                self.graph_error = f"CUDA graph capture failed, prefill runs eagerly: {e}"
-                warnings.warn(self.graph_error, stacklevel=3)
-            if self.graph_pool is not None:
-                self.capture_s += time.perf_counter() - began
+            pieces = partial(PrefillPieces, self.model, self.cache, tokens, self.counter.bump)
+            if self.graph_pool is None:  # nothing to capture
+                self._pieces[tokens] = pieces(capture=False)
+            else:
+                self._captured(self._pieces, tokens, "prefill", partial(pieces, self.graph_pool))
         return self._pieces.get(tokens)
 
     def _graph(self, batch: int, on_demand: bool = False) -> _DecodeGraph | None:
@@ -292,15 +284,22 @@ class Runner:
         ahead, which `captured_on_demand` counts)."""
         if batch not in self._graphs and not self.graph_error:
             self.captured_on_demand += on_demand
-            began = time.perf_counter()
-            try:
-                with on_device(self.device):  # capture on this device's streams
-                    self._graphs[batch] = _DecodeGraph(self, batch)
-            except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
-                self.graph_error = f"CUDA graph capture failed, decode runs eagerly: {e}"
-                warnings.warn(self.graph_error, stacklevel=3)
-            self.capture_s += time.perf_counter() - began
+            self._captured(self._graphs, batch, "decode", partial(_DecodeGraph, self, batch))
         return self._graphs.get(batch)
+
+    def _captured(
+        self, into: dict[int, Any], key: int, what: str, capture: Callable[[], Any]
+    ) -> None:
+        """`into[key] = capture()` on this device's streams, its time in `capture_s`; if it
+        fails, `graph_error` says why, and `what` runs eagerly from then on."""
+        began = time.perf_counter()
+        try:
+            with on_device(self.device):
+                into[key] = capture()
+        except (RuntimeError, ValueError) as e:  # keep serving, eagerly, and say why
+            self.graph_error = f"CUDA graph capture failed, {what} runs eagerly: {e}"
+            warnings.warn(self.graph_error, stacklevel=4)
+        self.capture_s += time.perf_counter() - began
 
     def _graph_for(self, batch: Sequence[Seq], capture: bool = True) -> _DecodeGraph | None:
         """The graph a decode pass of `batch` replays: captured now if need be (`capture`), or
