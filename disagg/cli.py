@@ -707,6 +707,13 @@ def validate_cmd(
             "judged on their median, their spread reported",
         ),
     ] = 1,
+    schedulers: Annotated[
+        str | None,
+        typer.Option(
+            help="Colocated scheduler policies to run as well, at every load, e.g. "
+            "prefill_first,decode_priority (the colocated experiment under each)"
+        ),
+    ] = None,
     set_: Overrides = None,
     sim_set: Annotated[
         list[str] | None,
@@ -743,8 +750,8 @@ def validate_cmd(
     if replay:
         from disagg.validate import replay_all
 
-        if experiments:
-            raise ConfigError("--replay replays the runs in --out: give no experiments")
+        if experiments or schedulers:
+            raise ConfigError("--replay replays the runs in --out: give no experiments or policies")
         finish_report(replay_all(out, tolerances, sim_set or [], say))
         return
     check_out_dir(out)
@@ -758,6 +765,7 @@ def validate_cmd(
         requests=requests,
         grid_points=grid_points,
         hw_runs=hw_runs,
+        schedulers=tuple(filter(None, (schedulers or "").split(","))),
         overrides=tuple(set_ or []),
         sim_overrides=tuple(sim_set or []),
         resume=resume,

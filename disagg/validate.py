@@ -13,11 +13,12 @@ Stages, each announced through `say`:
    (`calibration_shares`), and the speed of its decode server's passes that met no prefill
    pass (`calibration_decode_scale`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
-   experiment, it and its other mode (colocated <-> disaggregated), else the ones given; each
-   run `hw_runs` times on its workload, judged on the median (`hw_dirs`);
+   experiment, it and its other mode (colocated <-> disaggregated), else the ones given; then
+   the colocated one under each of `schedulers` (`with_schedulers`); each run `hw_runs` times
+   on its workload, judged on the median (`hw_dirs`);
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
    (`cost.source=profile:FILE`) and once with the roofline; and, on the profile, each
-   calibration run at a validation run's mode and load (`calibration_twins`), for how far a
+   calibration run at a validation run's kind and load (`calibration_twins`), for how far a
    cell moves on another workload; and, on a GPU, each run again with the host time per pass
    fitted on itself (`own_host`), for how much of a cell's error is the host time's;
 4. write fidelity.csv / fidelity.md / repeat.csv / hw_spread.csv (cells run more than once) /
@@ -80,6 +81,8 @@ from disagg.validate_plan import (
     other_mode,
     plan_runs,
     profile_grid,
+    run_kind,
+    with_schedulers,
 )
 
 # the tcp wire between two processes of one host, as the simulator's NIC (nominal figures)
@@ -98,7 +101,8 @@ class Options:
     experiment's); `overrides` apply to every experiment (hw runs and so their replays),
     `sim_overrides` to the replays only; `grid_points`: values per profiled axis; `resume`:
     keep what an earlier run in the same directory finished (`validate`); `hw_runs`: times
-    each hw run is run (the same seed, fresh servers), judged on their median (`hw_dirs`)."""
+    each hw run is run (the same seed, fresh servers), judged on their median (`hw_dirs`);
+    `schedulers`: colocated scheduler policies each run as well (`with_schedulers`)."""
 
     device: str = "cpu"
     wire: str | None = None  # None: tcp on the CPU, cuda on a GPU
@@ -106,6 +110,7 @@ class Options:
     requests: int | None = None
     grid_points: int = 3
     hw_runs: int = 1
+    schedulers: tuple[str, ...] = ()
     warmup: int = 1
     repeats: int = 5
     overrides: tuple[str, ...] = ()
@@ -193,9 +198,13 @@ def prepare(paths: Sequence[Path], opts: Options) -> list[Experiment]:
     if opts.requests is not None:
         flags.append(f"workload.num_requests={opts.requests}")
     exps = [load_experiment(p, flags) for p in paths]
+    wheres = list(map(str, paths))
     if len(exps) == 1:
         exps.append(other_mode(exps[0]))
-    for exp, where in zip(exps, [*map(str, paths), f"{paths[0]} (other mode)"], strict=False):
+        wheres.append(f"{paths[0]} (other mode)")
+    exps = with_schedulers(exps, opts.schedulers)
+    wheres += [f"--schedulers {name}" for name in opts.schedulers]
+    for exp, where in zip(exps, wheres, strict=True):
         if exp.workload.trace is not None:
             raise ConfigError(f"{where}: workload.trace is set; validate sets loads by rate")
         if exp.model != exps[0].model:
@@ -695,15 +704,15 @@ def record_options(out: Path, paths: Sequence[Path], opts: Options) -> None:
 
 
 def calibration_twins(out: Path, labels: Sequence[str]) -> list[tuple[str, Path]]:
-    """The calibration runs under `out/calibration` at a validation run's mode and load (on
-    seeds of their own), with that run's label: `measure_loop`'s colocated runs (`RATErps`)
-    and `measure_share`'s disaggregated one (`disagg-RATErps`)."""
+    """The calibration runs under `out/calibration` of a validation run's kind (`run_kind`)
+    and load, on seeds of their own, with that run's label: `measure_loop`'s colocated runs
+    (`RATErps`) and `measure_share`'s disaggregated one (`disagg-RATErps`)."""
     twins = []
     for label in labels:
-        mode, _, load = label.partition("-")
-        where = out / "calibration" / (load if mode == "colocated" else label)
-        if (where / "summary.json").exists():
-            twins.append((label, where))
+        kind, _, load = label.rpartition("-")
+        for where in (out / "calibration" / load, out / "calibration" / label):
+            if (where / "summary.json").exists() and run_kind(load_experiment(where)) == kind:
+                twins.append((label, where))
     return twins
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from disagg.config import Experiment, build_experiment
+from disagg.core.policies import DEFAULT_SCHEDULERS, SCHEDULERS, SchedulerPolicy, scheduler_for
 from disagg.core.workload import Arrival, generate
 from disagg.errors import ConfigError
 
@@ -54,6 +56,32 @@ def other_mode(exp: Experiment) -> Experiment:
     return build_experiment(data, source=f"{exp.name} in cluster.mode={mode!r}")
 
 
+def with_schedulers(exps: Sequence[Experiment], names: Sequence[str]) -> list[Experiment]:
+    """`exps`, then the first colocated one of them (else the first's other mode) once more for
+    each colocated scheduler policy in `names`, named EXPERIMENT-POLICY. ConfigError naming a
+    policy that is unknown or schedules no colocated node."""
+    base = next((e for e in exps if e.cluster.mode == "colocated"), None) or other_mode(exps[0])
+    variants = []
+    for name in names:
+        try:
+            policy = scheduler_for("colocated", SCHEDULERS.parse(name))
+        except ConfigError as e:
+            raise ConfigError(f"--schedulers {name!r}: {e}") from None
+        spec = json.dumps(policy.model_dump(mode="json"))
+        variants.append(
+            base.updated(f"cluster.colocated.scheduler={spec}", f"name={base.name}-{name}")
+        )
+    return [*exps, *variants]
+
+
+def run_kind(exp: Experiment) -> str:
+    """What a run's label calls its experiment: its cluster mode, and the scheduler of a
+    colocated one that runs another than the default ("colocated-prefill_first")."""
+    policy = _scheduler(exp, "prefill").name
+    default = policy == DEFAULT_SCHEDULERS.get("colocated") or exp.cluster.mode != "colocated"
+    return exp.cluster.mode if default else f"{exp.cluster.mode}-{policy}"
+
+
 def _arrivals(exp: Experiment) -> list[Arrival]:
     return generate(exp.workload, exp.seed, Path(exp.base_dir))
 
@@ -61,6 +89,12 @@ def _arrivals(exp: Experiment) -> list[Arrival]:
 def _group(exp: Experiment, kind: str) -> Any:
     groups = exp.cluster.groups
     return groups.get("colocated") or groups[kind]
+
+
+def _scheduler(exp: Experiment, kind: str) -> SchedulerPolicy:
+    """The scheduler policy of `exp`'s nodes that run `kind` passes (its colocated ones)."""
+    role = "colocated" if "colocated" in exp.cluster.groups else kind
+    return scheduler_for(role, _group(exp, kind).scheduler)
 
 
 @dataclass(frozen=True)
@@ -88,8 +122,9 @@ class Grid:
 
 def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     """The profile grid the experiments' workloads reach: prefill chunks of the shortest prompt
-    to the largest token budget (or longest prompt), after 0 cached tokens or as many as a last
-    chunk of the longest prompt has; decode batches of 1 to the batch limit (or the number of
+    to the largest token budget (or longest prompt; a scheduler of whole prompts passes the
+    budget with its longest), after 0 cached tokens or as many as a last chunk of the longest
+    prompt has; decode batches of 1 to the batch limit (or the number of
     requests), each at the shortest prompt's context and at a mix of the contexts the
     workload's requests pass through while they decode (`decode_mix`: each prompt plus 0, 1/4,
     1/2 and 3/4 of its output); mixed passes of each chunk beside each decode batch, at the
@@ -103,22 +138,26 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     activates, which grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences
     ran up to 16% longer than interpolated between batches 1, 6 and 40). Mixed passes, which
     run eagerly, keep the `points` batches."""
-    prompts, mix, chunks, batches, cached = [], [], [], [], 0
+    prompts, mix, chunks, whole, batches, cached = [], [], [], [0], [], 0
     for exp in exps:
         arrivals = _arrivals(exp)
         prompts += [a.prompt_tokens for a in arrivals]
         mix += [a.prompt_tokens + a.output_tokens * q // 4 for a in arrivals for q in range(4)]
+        batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
+        if _scheduler(exp, "prefill").whole_prompts:  # each prompt in one pass, nothing cached
+            whole += [a.prompt_tokens for a in arrivals]
+            continue
         budget = _group(exp, "prefill").token_budget
         chunks.append(budget)
-        batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
         # a prompt's last chunk comes after its whole chunks before it
         cached = max(cached, max(budget * ((a.prompt_tokens - 1) // budget) for a in arrivals))
-    top = min(max(chunks), max(prompts))
+    top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
     decode_batch = log_grid(1, max(batches), points)
     powers = (2**k for k in range(max(batches).bit_length()))
     return Grid(
-        prefill_tokens=prefill_tokens,
+        # whole prompts past every budget run in passes of their own, up to the longest
+        prefill_tokens=prefill_tokens + log_grid(top, max(top, *whole), points)[1:],
         prefill_context=(0, cached) if cached > 0 else (0,),
         decode_batch=tuple(sorted({*decode_batch, *powers})),
         decode_context=(min(prompts),),
@@ -151,12 +190,13 @@ def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
 
 
 def plan_runs(exps: Sequence[Experiment], rates: Sequence[float]) -> list[Run]:
-    """Every experiment at every rate, labelled MODE-RATErps (by name where modes repeat)."""
-    modes = [e.cluster.mode for e in exps]
-    by_mode = len(set(modes)) == len(modes)
+    """Every experiment at every rate, labelled KIND-RATErps (`run_kind`; by name where kinds
+    repeat)."""
+    kinds = [run_kind(e) for e in exps]
+    by_kind = len(set(kinds)) == len(kinds)
     runs = [
         Run(
-            f"{e.cluster.mode if by_mode else e.name}-{r:g}rps",
+            f"{run_kind(e) if by_kind else e.name}-{r:g}rps",
             e.updated(f"workload.rate_per_s={r}"),
         )
         for e in exps

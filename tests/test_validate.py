@@ -43,7 +43,15 @@ from disagg.validate_passes import (
     pass_table,
     shape_device,
 )
-from disagg.validate_plan import capacity_per_s, log_grid, other_mode, plan_runs, profile_grid
+from disagg.validate_plan import (
+    capacity_per_s,
+    log_grid,
+    other_mode,
+    plan_runs,
+    profile_grid,
+    run_kind,
+    with_schedulers,
+)
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 TINY = EXPERIMENTS / "tiny-disagg.toml"
@@ -663,6 +671,54 @@ def test_the_plan_runs_each_mode_at_each_load_on_a_grid_the_workload_reaches() -
     )
 
 
+def test_each_colocated_scheduler_asked_for_runs_as_a_kind_of_its_own() -> None:
+    """--schedulers prefill_first,decode_priority: the colocated experiment once more under
+    each, labelled by it; the chunked experiments' grid is kept, and prefill-first's whole
+    prompts, longer than the 64-token budget, add prefill passes up to the longest."""
+    disagg = load_experiment(TINY, ["workload.num_requests=6"])
+    exps = with_schedulers([disagg], ["prefill_first", "decode_priority"])
+    kinds = ["disagg", "colocated-prefill_first", "colocated-decode_priority"]
+    assert [run_kind(e) for e in exps] == kinds
+    assert [e.name for e in exps[1:]] == [
+        "tiny-disagg-colocated-prefill_first",
+        "tiny-disagg-colocated-decode_priority",
+    ]
+    policy = exps[2].cluster.colocated.scheduler
+    assert policy is not None and policy.model_dump() == {
+        "name": "decode_priority",
+        "chunk_with_decodes": 256,
+    }
+    both = [disagg, other_mode(disagg)]
+    assert with_schedulers(both, []) == both and run_kind(both[1]) == "colocated"
+    labels = [r.label for r in plan_runs(with_schedulers(both, ["prefill_first"]), [5.0])]
+    assert labels == ["disagg-5rps", "colocated-5rps", "colocated-prefill_first-5rps"]
+
+    from disagg.core.workload import generate
+
+    longest = max(a.prompt_tokens for a in generate(disagg.workload, disagg.seed))
+    assert longest > 64
+    chunked, whole = profile_grid(both, 3), profile_grid([*both, exps[1]], 3)
+    assert whole.prefill_tokens == chunked.prefill_tokens + log_grid(64, longest, 3)[1:]
+    assert (whole.prefill_context, whole.mixed) == (chunked.prefill_context, chunked.mixed)
+    assert profile_grid([exps[2]], 3).prefill_tokens == profile_grid([both[1]], 3).prefill_tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        (
+            "fifo",
+            "--schedulers 'fifo': cluster.colocated.scheduler.name: 'fifo' schedules "
+            "prefill nodes, not colocated",
+        ),
+        ("nope", "--schedulers 'nope': unknown scheduler policy 'nope'; known: fifo"),
+    ],
+)
+def test_a_scheduler_that_runs_no_colocated_node_is_refused_naming_it(name: str, said: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        with_schedulers([load_experiment(TINY)], [name])
+
+
 def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
     """A decode pass runs in the CUDA graph of the next power of two, and an MoE pass's time
     follows the experts its batch activates, so the decode axis gets 1, 2, 4, 8, ... up to the
@@ -928,6 +984,41 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
     assert "hw run 1/2: disagg-40rps (disagg, 40 req/s), again (2 of 2), kept" in res.output
     assert "colocated-40rps (colocated, 40 req/s), again (2 of 2)\n" in res.output
     assert (out / "hw-2" / "colocated-40rps" / "summary.json").exists()
+
+
+def test_validate_measures_each_colocated_scheduler_asked_for(tmp_path: Path) -> None:
+    """--schedulers prefill_first,decode_priority at one load of six requests: a colocated run
+    under each beside the two modes, each replayed; prefill-first's passes with prompts carry
+    no decodes on either backend, and the profile reaches its longest whole prompt."""
+    pytest.importorskip("torch")
+    pytest.importorskip("zmq")
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+
+    out = tmp_path / "policies"
+    args = ["validate", str(TINY), "--requests", "6", "--grid-points", "2", "--rates", "1000"]
+    args += ["--schedulers", "prefill_first,decode_priority", "--set", "hw.wire=tcp"]
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "hw run 3/4: colocated-prefill_first-1000rps (colocated, 1000 req/s)" in res.output
+    table = pd.read_csv(out / "fidelity.csv")
+    kinds = ["disagg", "colocated", "colocated-prefill_first", "colocated-decode_priority"]
+    assert list(dict.fromkeys(table.run)) == [f"{k}-1000rps" for k in kinds]
+    assert np.isfinite(table.sim_profile).all() and (table.sim_profile > 0).all()
+    label = "colocated-prefill_first-1000rps"
+    ran = json.loads((out / "hw" / label / "experiment.json").read_text())
+    assert ran["cluster"]["colocated"]["scheduler"] == {"name": "prefill_first"}
+    for steps in (out / "hw" / label, out / "sim-profile" / label):
+        passes = pd.read_parquet(steps / "steps.parquet")
+        with_prompts = passes[passes.prefill_tokens > 0]
+        assert len(with_prompts) and (with_prompts.decode_seqs == 0).all()
+        assert (passes.decode_seqs > 0).any()
+    prompts = pd.read_parquet(out / "hw" / label / "requests.parquet").prompt_tokens
+    profiled = pd.read_csv(out / "profile.csv")
+    assert profiled[profiled.kind == "prefill"].tokens.max() == prompts.max() > 64
+    res = CliRunner().invoke(app, ["validate", "--replay", "--schedulers", "prefill_first"])
+    assert res.exit_code == 2 and "give no experiments or policies" in res.output
 
 
 def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: Path) -> None:

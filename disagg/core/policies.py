@@ -127,9 +127,11 @@ class SchedulerArgs:
 
 
 class SchedulerPolicy(Policy):
-    """A batch policy's config. `roles`: the node roles it can schedule."""
+    """A batch policy's config. `roles`: the node roles it can schedule; `whole_prompts`: its
+    passes carry whole prompts, one longer than the token budget alone in a pass."""
 
     roles: ClassVar[tuple[str, ...]] = ()
+    whole_prompts: ClassVar[bool] = False
 
     @abstractmethod
     def build(self, args: SchedulerArgs) -> Scheduler:
@@ -191,6 +193,7 @@ class PrefillFirstConfig(SchedulerPolicy):
 
     name: Literal["prefill_first"] = "prefill_first"
     roles = ("colocated",)
+    whole_prompts = True
 
     def build(self, args: SchedulerArgs) -> Scheduler:
         return colocated(PrefillFirstScheduler, args)
