@@ -52,6 +52,9 @@ class LatencyConfig(_Frozen):
     # the driver pinned to this many cores of its own, the next after the servers', while it
     # drives a run on one host (0: where the OS places it, perhaps on a server's cores)
     driver_cores: int = Field(default=0, ge=0)
+    # the pinned cores (servers', then the driver's) begin this many cores into that order:
+    # 1 or more leaves the first core, where a host often takes its interrupts, to the OS
+    first_core: int = Field(default=0, ge=0)
 
 
 class CudaWireConfig(_Frozen):

@@ -286,13 +286,15 @@ def test_host_spread_runs_each_setting_each_round_and_profiles_before_the_round_
     tmp_path: Path,
 ) -> None:
     """On the CPU: a row per run, in order (round, then setting), each on its round's seed, the
-    profile written before the round asked for and the rows after it marked; a CPU pass has no
-    device time, so no host time is fitted."""
+    profile written before the round asked for and the rows after it marked; the pinned runs'
+    cores begin at the second (--first-core 1), the prefill server's, then the decode
+    server's, refused where the host has too few; a CPU pass has no device time, so no host
+    time is fitted, and its launch is the whole forward."""
     out = tmp_path / "spread"
     done = _script(
         "host_spread.py", str(ROOT / "experiments" / "tiny-disagg.toml"), "--device", "cpu",
         "--rounds", "2", "--requests", "3", "--rate", "50", "--cores", "0,1",
-        "--profile-before", "1", "--out", str(out),
+        "--first-core", "1", "--profile-before", "1", "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     table = pd.read_csv(out / "host_spread.csv")
@@ -305,8 +307,15 @@ def test_host_spread_runs_each_setting_each_round_and_profiles_before_the_round_
         list(table.pinned[table.cores_per_server == 0])
         == ["decode0:not pinned prefill0:not pinned"] * 2
     )
+    allowed = sorted(os.sched_getaffinity(0))
+    decode = (
+        str(allowed[2])
+        if len(allowed) > 2
+        else f"refused: process 1 of 1 cores each after the first 1, {len(allowed)} cores"
+    )
     pinned = table.pinned[table.cores_per_server == 1]
-    assert all(p.startswith("decode0:") and "prefill0:" in p and "not" not in p for p in pinned)
+    assert list(pinned) == [f"decode0:{decode} prefill0:{allowed[1]}"] * 2
+    assert (table.first_core == 1).all() and (table.chunk_launch_s > 0).all()
     assert (table.serving_s > 0).all() and (table.driver_cpu_s > 0).all()
     assert table.host_s.isna().all() and (table.driver == "not pinned").all()
     assert "Per round" in (out / "host_spread.md").read_text()

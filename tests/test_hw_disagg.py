@@ -154,8 +154,9 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
 ) -> None:
     """hw.latency.cores_per_server: the driver's order of processes (prefill nodes, decode
     nodes, then ranks within a node) numbers the cores each takes, and the driver's
-    (hw.latency.driver_cores) come after theirs while it drives the run; a host that has too
-    few is told, and the process is left unpinned."""
+    (hw.latency.driver_cores) come after theirs while it drives the run, all of them after
+    hw.latency.first_core cores; a host that has too few is told, and the process is left
+    unpinned."""
     disagg = build_experiment(
         {
             "cluster": {
@@ -194,6 +195,12 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
         assert sorted(os.sched_getaffinity(0)) == allowed
     with latency.driver_cores(LatencyConfig(), 1, "cpu") as held:
         assert held == "not pinned"
+    # hw.latency.first_core: the servers' cores, then the driver's, begin that far in
+    assert latency.host_cores(1, 1, "cpu") == allowed[1:2]
+    with latency.driver_cores(LatencyConfig(driver_cores=1, first_core=1), 0, "cpu") as held:
+        assert held == str(allowed[1])
+    said = latency.pin_cores(1, cores - 1, "cpu", first=1)  # one past the last core
+    assert said == f"refused: process {cores - 1} of 1 cores each after the first 1, {cores} cores"
 
 
 @pytest.mark.parametrize("plan_ahead", [True, False])

@@ -31,7 +31,7 @@ def apply(cfg: LatencyConfig, slot: int = 0, device: str = "cpu") -> None:
     if cfg.cpu_latency_us is not None:
         hold_cpu_latency(cfg.cpu_latency_us)
     if cfg.cores_per_server:
-        pin_cores(cfg.cores_per_server, slot, device)
+        pin_cores(cfg.cores_per_server, slot, device, cfg.first_core)
 
 
 def process_slot(cluster: ClusterConfig, role: str, index: int, rank: int = 0) -> int:
@@ -86,14 +86,16 @@ def set_cores(cores: Iterable[int]) -> str:
     return ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
-def pin_cores(n: int, slot: int, device: str) -> str:
+def pin_cores(n: int, slot: int, device: str, first: int = 0) -> str:
     """Pin every thread of this process to `n` cores of its own: the `slot`-th `n` of the
-    cores it may run on, those near `device` first. A host with too few cores is told on
-    stderr, not an error: the process stays where the OS puts it."""
-    cores = host_cores(slot * n, n, device)
+    cores it may run on, those near `device` first, after the `first` first of them. A host
+    with too few cores is told on stderr, not an error: the process stays where the OS puts
+    it."""
+    cores = host_cores(first + slot * n, n, device)
     if len(cores) < n:
         total = len(os.sched_getaffinity(0))
-        _cpu_latency["cores"] = f"refused: process {slot} of {n} cores each, {total} cores"
+        after = f" after the first {first}" if first else ""
+        _cpu_latency["cores"] = f"refused: process {slot} of {n} cores each{after}, {total} cores"
         print(f"hw.latency.cores_per_server={n}: {_cpu_latency['cores']}", file=sys.stderr)
         return _cpu_latency["cores"]
     _cpu_latency["cores"] = set_cores(cores)
@@ -104,10 +106,11 @@ def pin_cores(n: int, slot: int, device: str) -> str:
 def driver_cores(cfg: LatencyConfig, servers: int, device: str) -> Iterator[str]:
     """While the block runs, this process (the driver of `servers` server processes, already
     started: they keep the cores they were given) on `cfg.driver_cores` cores of its own, the
-    next after the servers' (`cfg.cores_per_server` each); back on its own cores after. What
-    it holds, in words ("not pinned" for 0; too few cores is told on stderr, not an error)."""
+    next after the servers' (`cfg.cores_per_server` each, from `cfg.first_core`); back on its
+    own cores after. What it holds, in words ("not pinned" for 0; too few cores is told on
+    stderr, not an error)."""
     n = cfg.driver_cores
-    cores = host_cores(servers * cfg.cores_per_server, n, device)
+    cores = host_cores(cfg.first_core + servers * cfg.cores_per_server, n, device)
     if len(cores) < n:
         said = f"refused: {n} cores after {servers} x {cfg.cores_per_server}"
         print(f"hw.latency.driver_cores={n}: {said}", file=sys.stderr)
