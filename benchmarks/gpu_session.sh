@@ -36,7 +36,8 @@
 # kernel, and staged as hw.latency.overlap plans (benchmarks/host_pass.py).
 # Servers keep the weights they draw in .weights/ (DISAGG_WEIGHT_CACHE; git ignores it, a warm
 # machine keeps it between calls), so each later server of the model and seed reads them.
-# gpu.txt also holds the host's cores (lscpu -e) and each one's interrupts at the start and end.
+# gpu.txt also holds the host's cores (lscpu -e), and each one's interrupts and time (/proc/stat:
+# irq, softirq, steal) at the start and the end.
 # The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
 set -uo pipefail
 P=${1:-0}; D=${2:-0}; OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
@@ -48,12 +49,14 @@ export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 export PYTHONPATH=/tmp/site:$PWD DISAGG_WEIGHT_CACHE=${DISAGG_WEIGHT_CACHE:-$PWD/.weights}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
-# the host's cores (which share a physical core) and the interrupts each has taken, at the start
-# and again at the end: whether the servers' pinned cores are the ones the host's interrupts hit
+# the host's cores (which share a physical core), the interrupts each has taken and its time,
+# at the start and again at the end: whether the servers' pinned cores are the ones the host's
+# interrupts, or its hypervisor (steal), take time from
 irqs() { awk -v when="$1" 'NR == 1 { n = NF; next }
   { for (i = 2; i <= n + 1; i++) if ($i ~ /^[0-9]+$/) s[i - 2] += $i }
   END { printf "interrupts per CPU, %s:", when; for (i = 0; i < n; i++) printf " %d:%d", i, s[i]; print "" }' \
-  /proc/interrupts >>"$OUT/gpu.txt" 2>&1; }
+  /proc/interrupts >>"$OUT/gpu.txt" 2>&1
+  grep '^cpu' /proc/stat >>"$OUT/gpu.txt"; }  # jiffies: user nice system idle iowait irq softirq steal
 lscpu -e >>"$OUT/gpu.txt" 2>&1; irqs "at the start"
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
   --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"

@@ -21,6 +21,7 @@ from disagg.core.metrics import (
     inter_token_latency,
     read_summary,
     requests_table,
+    stalled_waits,
     steps_table,
     summarize,
     write_results,
@@ -140,6 +141,46 @@ def test_inter_token_percentiles_of_ten_equal_weight_passes() -> None:
     assert inter_token_latency(steps) == pytest.approx(expected)
     doubled = step_rows(*[(0.01 * k, 1, 2, 0) for k in range(1, 11)])
     assert inter_token_latency(doubled) == pytest.approx(expected)
+
+
+def test_a_sequence_kept_waiting_by_passes_without_decodes_waits_from_its_token_before() -> None:
+    """A colocated node (colocated0) decodes r0 and r1 (0-10 ms; r4 finishes there), runs two
+    prompts in passes of their own (10-60 ms: r2's first token; 60-110 ms: r3's), then decodes
+    four (110-120 ms). r0 and r1 wait 120 - 10 = 110 ms for that token, r2 120 - 60 = 60 ms,
+    r3 only the pass (10 ms). A decode node's run (decode0) keeps its pass times."""
+    rec = Recorder()
+    for node, start, took, seqs, prompt in [
+        ("colocated0", 0.0, 0.01, 2, 0),
+        ("colocated0", 0.01, 0.05, 0, 300),
+        ("colocated0", 0.06, 0.05, 0, 300),
+        ("colocated0", 0.11, 0.01, 4, 0),
+        ("decode0", 0.0, 0.02, 1, 0),
+    ]:
+        rec.step(node=node, kind="mixed" if prompt else "decode", start_s=start, duration_s=took,
+                 steps=1, batch_size=seqs or 1, decode_seqs=seqs, tokens=seqs + prompt,
+                 prefill_tokens=prompt)  # fmt: skip
+    steps = steps_table(rec)
+    done = Status.FINISHED
+    served = [
+        request(0, 0.0, 9, done, 0.0, 1.0),
+        request(1, 0.0, 9, done, 0.0, 1.0),
+        request(2, 0.0, 9, done, 0.06, 1.0),
+        request(3, 0.0, 9, done, 0.11, 1.0),
+        request(4, 0.0, 2, done, 0.0, 0.01),
+    ]
+    for r in served:
+        r.decode_node = 0  # colocated0's (and decode0's: it never stalls)
+    requests = requests_table(served)
+    waits, fewer = stalled_waits(steps, requests)
+    assert waits == pytest.approx([0.11, 0.11, 0.06]) and fewer == {3: 3}
+    # colocated0: 0.01 x 2 and 0.01 x (4 - 3), then 0.11, 0.11, 0.06; decode0: 0.02 x 1
+    itl = inter_token_latency(steps, requests)
+    assert itl == pytest.approx(
+        {"itl_s_p50": 0.02, "itl_s_p90": 0.11, "itl_s_p99": 0.11, "itl_s_p999": 0.11}
+    )
+    assert inter_token_latency(steps)["itl_s_p90"] == pytest.approx(0.02)  # pass times alone
+    two = steps.assign(decode_seqs=steps.decode_seqs.where(steps.index != 3, 2))
+    assert stalled_waits(two, requests) == (pytest.approx([0.11, 0.11]), {3: 2})  # the earliest
 
 
 def test_inter_token_latency_without_decode_passes_is_nan() -> None:

@@ -217,20 +217,81 @@ def _pcts(values: pd.Series, name: str) -> dict[str, float]:
     return {f"{name}_p{p}": float(np.percentile(v, p)) for p in (50, 90, 99)}
 
 
-def decode_waits(steps: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+def decode_waits(
+    steps: pd.DataFrame, requests: pd.DataFrame | None = None
+) -> tuple[pd.Series, pd.Series]:
     """(per-pass time in s, weight) of each row that carries decodes: a row of `steps` identical
     passes with `decode_seqs` decoding sequences is that many waits of `duration_s / steps`,
-    one per sequence per pass (each a token, or with draft tokens the chunk a pass accepts)."""
+    one per sequence per pass (each a token, or with draft tokens the chunk a pass accepts).
+    With `requests`, a sequence that passes without decodes kept waiting (a prefill-first
+    scheduler's) waits from its token before them to the end of the pass that carries it on
+    (`stalled_waits`), not that pass's time alone."""
     dec = steps[steps.decode_seqs > 0]
-    return dec.duration_s / dec.steps, dec.steps * dec.decode_seqs
+    wait, weight = dec.duration_s / dec.steps, dec.steps * dec.decode_seqs
+    if requests is None or dec.empty:
+        return wait, weight
+    stalled, fewer = stalled_waits(steps, requests)
+    if not stalled:
+        return wait, weight
+    weight = weight - pd.Series(fewer, dtype=float).reindex(weight.index, fill_value=0.0)
+    return (
+        pd.concat([wait, pd.Series(stalled, dtype=float)], ignore_index=True),
+        pd.concat([weight, pd.Series(1.0, index=range(len(stalled)))], ignore_index=True),
+    )
 
 
-def inter_token_latency(steps: pd.DataFrame) -> dict[str, float]:
+def stalled_waits(
+    steps: pd.DataFrame, requests: pd.DataFrame
+) -> tuple[list[float], dict[Any, int]]:
+    """The waits of the decoding sequences that passes without decodes kept waiting, and per
+    steps row after such passes, how many of its first pass's sequences those are. A request of
+    a node (its `decode_node` is the node's number) that had its first token before the last
+    of those passes began, and had not finished when it ended, waits from its token before them
+    (the end of the node's last pass that carried decodes, or its first token if later) to the
+    end of the first pass that carries decodes again: at most that pass's `decode_seqs` of
+    them, the earliest first. A node that runs only passes with decodes, or none, has none."""
+    waits: list[float] = []
+    fewer: dict[Any, int] = {}
+    started = requests[requests.first_token_s.notna()]
+    for node, rows in steps.groupby("node", sort=False):
+        number = str(node).lstrip("abcdefghijklmnopqrstuvwxyz_")
+        rows = rows.sort_values("start_s", kind="stable")
+        carries = rows.decode_seqs.to_numpy() > 0
+        if carries.all() or not carries.any() or not number.isdigit():
+            continue
+        mine = started[started.decode_node == int(number)].sort_values("first_token_s")
+        first = mine.first_token_s.to_numpy(float)
+        finish = mine.finish_s.fillna(math.inf).to_numpy(float)
+        start, took = rows.start_s.to_numpy(float), rows.duration_s.to_numpy(float)
+        end, first_pass = start + took, took / rows.steps.to_numpy(float)
+        seqs = rows.decode_seqs.to_numpy(int)
+        carrying = np.flatnonzero(carries)
+        after = np.flatnonzero(carries[1:] & ~carries[:-1]) + 1  # after passes without decodes
+        before = np.searchsorted(carrying, after) - 1  # the last pass with decodes before
+        last_end = np.where(before >= 0, end[carrying[np.maximum(before, 0)]], -math.inf)
+        active: list[int] = []  # requests past their first token, not seen to finish
+        joined = 0
+        for k, since in zip(after.tolist(), last_end.tolist(), strict=True):
+            while joined < len(first) and first[joined] <= start[k - 1]:
+                active.append(joined)
+                joined += 1
+            active = [i for i in active if finish[i] > end[k - 1]]
+            kept = active[: seqs[k]]
+            waits += [start[k] + first_pass[k] - max(first[i], since) for i in kept]
+            if kept:
+                fewer[rows.index[k]] = len(kept)
+    return waits, fewer
+
+
+def inter_token_latency(
+    steps: pd.DataFrame, requests: pd.DataFrame | None = None
+) -> dict[str, float]:
     """Percentiles of the pass time each decoding sequence waits for its next token(s): every
     pass that carries decodes (decode-only or mixed with prefill), weighted by the sequences it
-    carries. A prefill that shares a pass with decodes shows up here as stutter. The p-th
-    percentile is the smallest pass time with at least p of the weight at or below it."""
-    wait_s, weight_s = decode_waits(steps)
+    carries. A prefill that shares a pass with decodes shows up here as stutter; with
+    `requests`, so does one that keeps them waiting in a pass of its own (`decode_waits`). The
+    p-th percentile is the smallest wait with at least p of the weight at or below it."""
+    wait_s, weight_s = decode_waits(steps, requests)
     names = {500: "p50", 900: "p90", 990: "p99", 999: "p999"}  # per mille
     if wait_s.empty:
         return {f"itl_s_{n}": math.nan for n in names.values()}
@@ -306,7 +367,7 @@ def summarize(
     out["tps_per_user_p50"] = float(np.median(1 / done.tpot_s.dropna())) if len(done) else 0.0
     tokens = float(done.output_tokens.sum())
     out["output_tps_per_gpu"] = tokens / simulated_s / gpus if simulated_s else 0.0
-    out |= inter_token_latency(steps)
+    out |= inter_token_latency(steps, requests)
     out["transfer_bytes_per_request"] = float(transfers.bytes.mean()) if len(transfers) else 0.0
     out["transfer_ops_per_request"] = float(transfers.ops.mean()) if len(transfers) else 0.0
     out["transfer_s_p50"] = (
@@ -318,7 +379,7 @@ def summarize(
     out["gpus"] = gpus
     out["simulated_s"] = simulated_s
     out["wall_s"] = wall_s
-    return out | standard_metrics(requests, *decode_waits(steps), slo=slo)
+    return out | standard_metrics(requests, *decode_waits(steps, requests), slo=slo)
 
 
 def write_results(
