@@ -1060,6 +1060,7 @@ def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: P
         ([str(TINY), "--tolerance", "goodput=3"], "--tolerance 'goodput': unknown metric"),
         ([str(TINY), "--rates", "2,fast"], "--rates '2,fast': give comma-separated"),
         ([str(TINY), "--rates", "0,nan"], "--rates '0,nan': give request rates > 0"),
+        ([str(TINY), "--schedulers", "fcfs"], "--schedulers 'fcfs': cluster.colocated.scheduler"),
         (["--replay"], "not a validate directory (needs hw/ runs and profile.csv)"),
         ([str(TINY), "--replay"], "--replay replays the runs in --out: give no experiments"),
     ],
