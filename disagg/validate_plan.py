@@ -124,13 +124,14 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     """The profile grid the experiments' workloads reach: prefill chunks of the shortest prompt
     to the largest token budget (or longest prompt; a scheduler of whole prompts passes the
     budget with its longest), after 0 cached tokens or as many as a last chunk of the longest
-    prompt has; decode batches of 1 to the batch limit (or the number of
-    requests), each at the shortest prompt's context and at a mix of the contexts the
-    workload's requests pass through while they decode (`decode_mix`: each prompt plus 0, 1/4,
-    1/2 and 3/4 of its output); mixed passes of each chunk beside each decode batch, at the
-    shortest context and at the mix. The mix, not one long context, gives each batch's line
-    its slope: a server's batches mix long and short sequences, which take longer than uniform
-    ones of the same total (docs/calibration.md, "Not the graphs: the mix of contexts").
+    prompt has (in chunks of the budget, and of a policy's shorter chunks beside decodes);
+    decode batches of 1 to the batch limit (or the number of requests), each at the shortest
+    prompt's context and at a mix of the contexts the workload's requests pass through while
+    they decode (`decode_mix`: each prompt plus 0, 1/4, 1/2 and 3/4 of its output); mixed
+    passes of each chunk beside each decode batch, at the shortest context and at the mix.
+    The mix, not one long context, gives each batch's line its slope: a server's batches mix
+    long and short sequences, which take longer than uniform ones of the same total
+    (docs/calibration.md, "Not the graphs: the mix of contexts").
 
     Decode passes are profiled at every power of two up to the batch limit as well: the hw
     runner replays a decode pass in the CUDA graph of the next power of two (GRAPH_BATCHES),
@@ -138,7 +139,7 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     activates, which grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences
     ran up to 16% longer than interpolated between batches 1, 6 and 40). Mixed passes, which
     run eagerly, keep the `points` batches."""
-    prompts, mix, chunks, whole, batches, cached = [], [], [], [0], [], 0
+    prompts, mix, chunks, whole, batches, cached = [], [], [], [0], [], {0}
     for exp in exps:
         arrivals = _arrivals(exp)
         prompts += [a.prompt_tokens for a in arrivals]
@@ -149,8 +150,10 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
             continue
         budget = _group(exp, "prefill").token_budget
         chunks.append(budget)
-        # a prompt's last chunk comes after its whole chunks before it
-        cached = max(cached, max(budget * ((a.prompt_tokens - 1) // budget) for a in arrivals))
+        # a prompt's last chunk comes after its whole chunks before it: of the budget, or of
+        # the shorter chunks its policy runs beside decodes
+        for n in {budget, _scheduler(exp, "prefill").chunk_tokens(budget)}:
+            cached.add(max(n * ((a.prompt_tokens - 1) // n) for a in arrivals))
     top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
     decode_batch = log_grid(1, max(batches), points)
@@ -158,7 +161,7 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     return Grid(
         # whole prompts past every budget run in passes of their own, up to the longest
         prefill_tokens=prefill_tokens + log_grid(top, max(top, *whole), points)[1:],
-        prefill_context=(0, cached) if cached > 0 else (0,),
+        prefill_context=tuple(sorted(cached)),
         decode_batch=tuple(sorted({*decode_batch, *powers})),
         decode_context=(min(prompts),),
         # a colocated pass: a chunk beside a decode batch (the cost model's shared fixed cost)

@@ -701,6 +701,14 @@ def test_each_colocated_scheduler_asked_for_runs_as_a_kind_of_its_own() -> None:
     assert whole.prefill_tokens == chunked.prefill_tokens + log_grid(64, longest, 3)[1:]
     assert (whole.prefill_context, whole.mixed) == (chunked.prefill_context, chunked.mixed)
     assert profile_grid([exps[2]], 3).prefill_tokens == profile_grid([both[1]], 3).prefill_tokens
+    # decode priority's chunks of 20 beside decodes: a last chunk after more cached tokens
+    short = both[1].updated(
+        'cluster.colocated.scheduler={"name": "decode_priority", "chunk_with_decodes": 20}'
+    )
+    prompts = [a.prompt_tokens for a in generate(disagg.workload, disagg.seed)]
+    after = {max(n * ((p - 1) // n) for p in prompts) for n in (64, 20)}
+    assert profile_grid([short], 3).prefill_context == tuple(sorted({0, *after}))
+    assert len(profile_grid([short], 3).prefill_context) == 3
 
 
 @pytest.mark.parametrize(

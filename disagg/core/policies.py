@@ -137,6 +137,11 @@ class SchedulerPolicy(Policy):
     def build(self, args: SchedulerArgs) -> Scheduler:
         """The scheduler of one node."""
 
+    def chunk_tokens(self, token_budget: int) -> int:
+        """The longest prompt chunk a pass carries beside decodes, for a group of
+        `token_budget` tokens a pass."""
+        return token_budget
+
 
 SCHEDULERS = Registry[SchedulerPolicy]("scheduler policy")
 
@@ -210,6 +215,9 @@ class DecodePriorityConfig(SchedulerPolicy):
 
     def build(self, args: SchedulerArgs) -> Scheduler:
         return colocated(DecodePriorityScheduler, args, chunk_with_decodes=self.chunk_with_decodes)
+
+    def chunk_tokens(self, token_budget: int) -> int:
+        return min(token_budget, self.chunk_with_decodes)
 
 
 DEFAULT_SCHEDULERS = {"prefill": "fifo", "decode": "fcfs", "colocated": "chunked"}  # by role
