@@ -77,9 +77,10 @@ def with_schedulers(exps: Sequence[Experiment], names: Sequence[str]) -> list[Ex
 def run_kind(exp: Experiment) -> str:
     """What a run's label calls its experiment: its cluster mode, and the scheduler of a
     colocated one that runs another than the default ("colocated-prefill_first")."""
+    if exp.cluster.mode != "colocated":
+        return exp.cluster.mode
     policy = _scheduler(exp, "prefill").name
-    default = policy == DEFAULT_SCHEDULERS.get("colocated") or exp.cluster.mode != "colocated"
-    return exp.cluster.mode if default else f"{exp.cluster.mode}-{policy}"
+    return "colocated" if policy == DEFAULT_SCHEDULERS["colocated"] else f"colocated-{policy}"
 
 
 def _arrivals(exp: Experiment) -> list[Arrival]:

@@ -199,6 +199,9 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
     assert latency.host_cores(1, 1, "cpu") == allowed[1:2]
     with latency.driver_cores(LatencyConfig(driver_cores=1, first_core=1), 0, "cpu") as held:
         assert held == str(allowed[1])
+    late = LatencyConfig(cores_per_server=1, driver_cores=1, first_core=1)
+    with latency.driver_cores(late, cores, "cpu") as held:
+        assert held == f"refused: 1 cores after 1 + {cores} x 1"
     said = latency.pin_cores(1, cores - 1, "cpu", first=1)  # one past the last core
     assert said == f"refused: process {cores - 1} of 1 cores each after the first 1, {cores} cores"
 

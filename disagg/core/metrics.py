@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,12 +255,12 @@ def stalled_waits(
     fewer: dict[Any, int] = {}
     started = requests[requests.first_token_s.notna()]
     for node, rows in steps.groupby("node", sort=False):
-        number = str(node).lstrip("abcdefghijklmnopqrstuvwxyz_")
+        number = re.fullmatch(r"[a-z_]+(\d+)", str(node))  # colocated0: the colocated node 0
         rows = rows.sort_values("start_s", kind="stable")
         carries = rows.decode_seqs.to_numpy() > 0
-        if carries.all() or not carries.any() or not number.isdigit():
+        if carries.all() or not carries.any() or number is None:
             continue
-        mine = started[started.decode_node == int(number)].sort_values("first_token_s")
+        mine = started[started.decode_node == int(number[1])].sort_values("first_token_s")
         first = mine.first_token_s.to_numpy(float)
         finish = mine.finish_s.fillna(math.inf).to_numpy(float)
         start, took = rows.start_s.to_numpy(float), rows.duration_s.to_numpy(float)

@@ -112,7 +112,8 @@ def driver_cores(cfg: LatencyConfig, servers: int, device: str) -> Iterator[str]
     n = cfg.driver_cores
     cores = host_cores(cfg.first_core + servers * cfg.cores_per_server, n, device)
     if len(cores) < n:
-        said = f"refused: {n} cores after {servers} x {cfg.cores_per_server}"
+        first = f"{cfg.first_core} + " if cfg.first_core else ""
+        said = f"refused: {n} cores after {first}{servers} x {cfg.cores_per_server}"
         print(f"hw.latency.driver_cores={n}: {said}", file=sys.stderr)
     if not n or len(cores) < n:
         yield said if n else "not pinned"
