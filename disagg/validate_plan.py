@@ -59,19 +59,20 @@ def other_mode(exp: Experiment) -> Experiment:
 def with_schedulers(exps: Sequence[Experiment], names: Sequence[str]) -> list[Experiment]:
     """`exps`, then the first colocated one of them (else the first's other mode) once more for
     each colocated scheduler policy in `names`, named EXPERIMENT-POLICY. ConfigError naming a
-    policy that is unknown or schedules no colocated node."""
+    policy that is unknown, schedules no colocated node, or runs already."""
     base = next((e for e in exps if e.cluster.mode == "colocated"), None) or other_mode(exps[0])
-    variants = []
+    out = list(exps)
     for name in names:
         try:
             policy = scheduler_for("colocated", SCHEDULERS.parse(name))
         except ConfigError as e:
             raise ConfigError(f"--schedulers {name!r}: {e}") from None
         spec = json.dumps(policy.model_dump(mode="json"))
-        variants.append(
-            base.updated(f"cluster.colocated.scheduler={spec}", f"name={base.name}-{name}")
-        )
-    return [*exps, *variants]
+        variant = base.updated(f"cluster.colocated.scheduler={spec}", f"name={base.name}-{name}")
+        if run_kind(variant) in map(run_kind, out):
+            raise ConfigError(f"--schedulers {name!r}: a colocated run has that policy already")
+        out.append(variant)
+    return out
 
 
 def run_kind(exp: Experiment) -> str:

@@ -720,11 +720,18 @@ def test_each_colocated_scheduler_asked_for_runs_as_a_kind_of_its_own() -> None:
             "prefill nodes, not colocated",
         ),
         ("nope", "--schedulers 'nope': unknown scheduler policy 'nope'; known: fifo"),
+        ("chunked", "--schedulers 'chunked': a colocated run has that policy already"),
     ],
 )
-def test_a_scheduler_that_runs_no_colocated_node_is_refused_naming_it(name: str, said: str) -> None:
+def test_a_scheduler_that_is_unknown_not_colocated_or_there_already_is_refused(
+    name: str, said: str
+) -> None:
     with pytest.raises(ConfigError, match=re.escape(said)):
-        with_schedulers([load_experiment(TINY)], [name])
+        disagg = load_experiment(TINY)
+        with_schedulers([disagg, other_mode(disagg)], [name])
+    twice = "--schedulers 'prefill_first': a colocated run has that policy already"
+    with pytest.raises(ConfigError, match=re.escape(twice)):
+        with_schedulers([load_experiment(TINY)], ["prefill_first", "prefill_first"])
 
 
 def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
