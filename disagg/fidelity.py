@@ -386,6 +386,30 @@ def own_host_markdown(
     return "\n".join(lines) + "\n"
 
 
+def beyond_markdown(beyond: Mapping[str, tuple[int, int]]) -> str:
+    """fidelity.md's section on the profile replays' passes beyond the profiled grid: per run,
+    (passes costed by extrapolation, passes in all)."""
+    rows = [
+        f"| {run} | {out:,} of {passes:,} | {out / passes:.1%} |"
+        for run, (out, passes) in beyond.items()
+        if passes
+    ]
+    return "\n".join(
+        [
+            "## Passes beyond the profiled grid",
+            "",
+            "The profile replay's passes whose shape lies beyond the grid the profile measured, "
+            "costed by extrapolation, so less to be trusted (a run's summary: "
+            "`profile_passes_extrapolated`).",
+            "",
+            "| run | passes | share |",
+            "|---|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+
+
 def write_report(
     table: pd.DataFrame,
     tolerances: Mapping[str, float],
@@ -394,11 +418,13 @@ def write_report(
     spread: pd.DataFrame | None = None,
     own_host: pd.DataFrame | None = None,
     host_fits: Mapping[str, Mapping[str, float]] | None = None,
+    beyond: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[Verdict]:
     """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
     are any, also as out/repeat.csv, `spread` (`spread_table`) where there is any, also as
-    out/hw_spread.csv, and `own_host` (`own_host_table`) where there is any, also as
-    out/own_host.csv, beside the host times fitted (`host_fits`); return the verdicts (judge)."""
+    out/hw_spread.csv, `own_host` (`own_host_table`) where there is any, also as
+    out/own_host.csv, beside the host times fitted (`host_fits`), and the passes beyond the
+    profiled grid (`beyond_markdown`) where a run has any; return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
@@ -415,6 +441,8 @@ def write_report(
     if own_host is not None and len(own_host):
         own_host.to_csv(out / "own_host.csv", index=False)
         text += "\n" + own_host_markdown(own_host, tolerances, host_fits)
+    if beyond and any(n for n, _ in beyond.values()):
+        text += "\n" + beyond_markdown(beyond)
     (out / "fidelity.md").write_text(text)
     return verdicts
 

@@ -752,6 +752,7 @@ def replay_all(
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, pd.DataFrame]] = {}
     ran: dict[str, list[dict[str, Any]]] = {}  # each cell's hw runs, all on its workload
+    beyond: dict[str, tuple[int, int]] = {}  # the profile replay's passes beyond the grid
     for i, label in enumerate(labels, 1):
         ran[label] = [json.loads((d / "summary.json").read_text()) for d in hw_dirs(out, label)]
         summaries[label] = {"hw": median_summary(ran[label])}
@@ -762,7 +763,8 @@ def replay_all(
             summary, req = replay(hw / label, [*sim_overrides, *cost], where)
             summaries[label][source], requests[label][source] = summary, req
             if summary.get("profile_passes_extrapolated"):
-                passes = f"{summary['profile_passes_extrapolated']} of {summary['profile_passes']}"
+                beyond[label] = summary["profile_passes_extrapolated"], summary["profile_passes"]
+                passes = f"{beyond[label][0]} of {beyond[label][1]}"
                 say(f"replay {i}/{len(labels)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
     again: dict[str, dict[str, dict[str, Any]]] = {}
@@ -788,7 +790,7 @@ def replay_all(
             summary, _ = replay(hw / label, on_own, out / "sim-own-host" / label)
             own[label] = {"hw": summaries[label]["hw"], "sim_profile": summary}
     own_table = own_host_table(table, fidelity_table(own)) if own else None
-    verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits)
+    verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits, beyond)
     report = Report(table, verdicts)
     tables, shaped = {}, {}
     for label in labels:

@@ -1062,7 +1062,11 @@ def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: P
     assert set(table.run) == {"colocated-1000rps", "disagg-1000rps"}
     assert np.isfinite(table.sim_profile).all() and (table.sim_profile > 0).all()
     costed = json.loads((out / "sim-profile" / "colocated-1000rps" / "summary.json").read_text())
-    assert 0 < costed["profile_passes_extrapolated"] < costed["profile_passes"]
+    n, passes = costed["profile_passes_extrapolated"], costed["profile_passes"]
+    assert 0 < n < passes
+    report = (out / "fidelity.md").read_text()
+    assert "## Passes beyond the profiled grid" in report
+    assert f"| colocated-1000rps | {n:,} of {passes:,} | {n / passes:.1%} |" in report
 
 
 @pytest.mark.parametrize(
