@@ -25,6 +25,8 @@
 # PREBUILD=qwen3-30b-a3b: the MoE model through validate). VALIDATE_OUT=runs/validate-NAME puts
 # its directory in the checkout, which a warm machine keeps between calls: a validate longer
 # than one call goes on in the next with VALIDATE_ARGS="... --resume" (the same other flags).
+# VALIDATE_ARGS="... --schedulers prefill_first,decode_priority" adds the colocated schedulers
+# (about 300 s more for Llama at 128 requests a run).
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # PIECES=1 adds benchmarks/prefill_pieces.py (about 1 min): a pass with a prompt chunk launched
