@@ -214,6 +214,7 @@ def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: boo
     prompt token, at its position, on the request's pages. (A CPU runner replays no graph, so
     what it is asked to plan is recorded here; the GPU tests check the plans are used.)"""
     server = decode_server(f"hw.latency.plan_ahead={str(plan_ahead).lower()}")
+    assert server.runner.on_layer is None  # nobody follows a decoder's layers
     planned: list[list[Seq]] = []
     server.runner.plan_ahead = lambda b: planned.append(list(b)) or True  # type: ignore[method-assign]
     try:
@@ -779,6 +780,7 @@ def test_prefill_server_recomputes_an_evicted_early_start() -> None:
     exp = build_experiment(data, ["kv.pages=4"]).model_dump(mode="json")
     server = PrefillServer(NodeConfig("prefill", 0, exp, "tcp://127.0.0.1:1"))
     try:
+        assert server.runner.on_layer is not None  # its watcher follows the counter
         server.control.connect("decode0", "tcp://127.0.0.1:2")  # messages queue, unsent
         a, b = tuple(range(40)), tuple(range(100, 140))  # 39 tokens each: 3 of the 4 pages
         server.on_message(Submit(1, 0.0, a, 4))

@@ -53,6 +53,19 @@ def test_watcher_sees_layer_counts_in_order() -> None:
     assert runner.counter.read() == 3 * layers
 
 
+def test_a_runner_that_counts_no_layers_bumps_no_counter_and_computes_the_same() -> None:
+    """count_layers=False (every server but a prefill one, whose watcher alone reads the
+    counter): the counter stays at 0, and the passes are the counting runner's, bit for bit."""
+    m = Transformer(tiny_gqa(layers=3), seed=0)
+    counting, silent = (Runner(m, m.new_cache(32, PAGE), count_layers=c) for c in (True, False))
+    for step in range(2):
+        batch = [Seq.of(PROMPTS[0][:3], 3 * step, _pages(0))]
+        a, b = counting.step(batch), silent.step(batch)
+        assert torch.equal(a.logits, b.logits) and a.layers_before == b.layers_before == 3 * step
+    assert (counting.counter.read(), silent.counter.read()) == (6, 0)
+    assert silent.on_layer is None
+
+
 def test_watcher_hands_callback_errors_to_stop() -> None:
     def fail(_: int) -> None:
         raise ZeroDivisionError("the callback failed")
@@ -100,17 +113,21 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("spec", [small_gqa(), small_mla()], ids=["gqa", "mla"])
 def test_graph_decode_on_gpu_matches_reference(spec) -> None:  # type: ignore[no-untyped-def]
     """FlashInfer + CUDA graphs (3 rows padded to a graph of 4) against the reference attention
-    on the same bf16 weights; the in-graph layer counter must count every layer."""
+    on the same bf16 weights; the in-graph layer counter must count every layer, and a graph
+    captured without it gives the same logits."""
     m = Transformer(spec, seed=4, device="cuda")
     fi = Runner(m, m.new_cache(24, PAGE), graph_batches=(1, 4))
     ref = Runner(m, m.new_cache(24, PAGE), attention="torch")
+    silent = Runner(m, m.new_cache(24, PAGE), graph_batches=(1, 4), count_layers=False)
     seqs = [list(p) for p in PROMPTS]
-    for r in (fi, ref):
+    for r in (fi, ref, silent):
         r.step([Seq.of(p, 0, _pages(i)) for i, p in enumerate(seqs)])
     for step in range(3):
         batch = [Seq.of([7 + step], len(p) + step, _pages(i)) for i, p in enumerate(seqs)]
         got, want = fi.step(batch).logits, ref.step(batch).logits
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+        assert torch.equal(silent.step(batch).logits, got)  # its graph without the counter
+    assert silent.counter.read() == 0 and 4 in silent._graphs
     assert 4 in fi._graphs and not fi.graph_error
     t = time.perf_counter()
     fi.step(batch)

@@ -119,6 +119,7 @@ class Server:
             self.cache,
             attention=self.hw.attention,
             graph_batches=graphs,
+            count_layers=self.kind == "prefill",  # its KV goes out layer by layer
             prefill_graphs=self.hw.latency.prefill_graphs,
         )
         self.runner.capture_pieces()  # before the warm-up pass, which replays them

@@ -154,7 +154,11 @@ def profile(
     need += [pages(ctx) for ctx in decode]
     need += [pages_for(n, page_size) + pages(ctx) for n, ctx in beside]
     cache = model.new_cache(max(need, default=1), page_size, layout)
-    runner = Runner(model, cache, attention=attention, prefill_graphs=prefill_graphs)
+    # as a colocated or decode server runs its passes: no layer counter (a prefill server's
+    # two ops a layer are a small part of its long passes)
+    runner = Runner(
+        model, cache, attention=attention, count_layers=False, prefill_graphs=prefill_graphs
+    )
     runner.capture_pieces()
     rows = []
     for n, c in prefill:

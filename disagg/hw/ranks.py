@@ -345,7 +345,9 @@ def follow(cfg: NodeConfig, rank: int) -> None:
         # the cache lives as long as this process, which the leader's stop ends: as long as
         # the leader maps it
         cache = follower_cache(cfg, exp, model, tp)
-        runner = Runner(model, cache, attention=exp.hw.attention, graph_batches=())
+        runner = Runner(
+            model, cache, attention=exp.hw.attention, graph_batches=(), count_layers=False
+        )  # the leader's counter is the one its watcher reads
         # pinned once built, as a leader is (disagg.hw.serve)
         slot = latency.process_slot(exp.cluster, cfg.role, cfg.index, rank)
         latency.apply(exp.hw.latency, slot, device)

@@ -163,7 +163,7 @@ class _DecodeGraph:
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=runner.graph_pool):
-            self.out = runner.model.forward_tensors(self.x, cache, self.attn, runner.counter.bump)
+            self.out = runner.model.forward_tensors(self.x, cache, self.attn, runner.on_layer)
 
     def prepare(self, seqs: Sequence[Seq], in_flight: bool = False) -> None:
         """Plan attention and copy the inputs of `seqs` (padded) into the graph's buffers.
@@ -197,7 +197,9 @@ class _DecodeGraph:
 
 
 class Runner:
-    """Forward steps of `model` over `cache`, counting layers in `counter`.
+    """Forward steps of `model` over `cache`, counting layers in `counter` where
+    `count_layers` (a prefill server's watcher follows it; nobody reads another role's, so it
+    launches none of the counter's two ops a layer).
 
     attention: "auto" (FlashInfer on CUDA, the torch reference on CPU), "torch", "flashinfer"
     or "flashinfer:KERNEL" (the GQA decode kernel: fa2, cuda-cores, fa3; see attention.py).
@@ -213,6 +215,7 @@ class Runner:
         attention: str = "auto",
         graph_batches: Sequence[int] = GRAPH_BATCHES,
         counter: LayerCounter | None = None,
+        count_layers: bool = True,
         prefill_graphs: Sequence[int] = (),
     ) -> None:
         if len(cache.layers) != model.spec.layers:
@@ -226,6 +229,7 @@ class Runner:
         self.shape = model.attn_shape(cache.page_size, cache.layout.layout)  # this rank's heads
         self.attn = make_attention(attention, self.shape, self.device, model.dtype)
         self.counter = counter or LayerCounter(self.device)
+        self.on_layer = self.counter.bump if count_layers else None
         self.steps = 0
         graphs = isinstance(self.attn, FlashInferAttention)
         self.graph_batches = sorted(set(graph_batches)) if graphs else []
@@ -272,7 +276,7 @@ class Runner:
         """The pieces of size `tokens`, captured now if need be (on a GPU; on the CPU they run
         as they come); None, and passes eager, once a capture failed (`graph_error`)."""
         if tokens not in self._pieces and not self.graph_error:
-            pieces = partial(PrefillPieces, self.model, self.cache, tokens, self.counter.bump)
+            pieces = partial(PrefillPieces, self.model, self.cache, tokens, self.on_layer)
             if self.graph_pool is None:  # nothing to capture
                 self._pieces[tokens] = pieces(capture=False)
             else:
@@ -430,7 +434,7 @@ class Runner:
                     self.passes_in_pieces += 1
                 else:
                     out = self.model.forward_tensors(
-                        x, self.cache, self.attn, self.counter.bump, group=group
+                        x, self.cache, self.attn, self.on_layer, group=group
                     )
         self.steps += 1
         if then:  # host work while the device runs this step: its copies queue behind it
