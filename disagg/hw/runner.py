@@ -370,8 +370,8 @@ class Runner:
         the other ranks' pages that the pass wrote, as their leader maps them. On a GPU a
         process's first pass pays one-time costs (library handles, workspaces, kernels loaded
         on first launch): a quarter of a second on an H200, which a server would otherwise
-        put into its first request's TTFT. The layer counter and the step count move on
-        together, as after any pass."""
+        put into its first request's TTFT. The step count (and, where it counts, the layer
+        counter) moves on, as after any pass."""
         size = self.cache.page_size
         tokens = max(1, min(tokens, self.cache.num_pages * size))
         pages = tuple(range(math.ceil(tokens / size)))
