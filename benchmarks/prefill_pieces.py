@@ -8,11 +8,12 @@ its launch, device and wall time by the pass's tokens, a chunk alone or with dec
 Why: an eager Llama-3.1-8B forward takes the host 11-31 ms to launch on an H200, as long as a
 chunk of 400 tokens takes the device, so small chunks wait on their launch
 (benchmarks/results/2026-12-05b-gpu/). Each mode runs on a runner of its own over the same
-weights: `eager`, and `pieces` with the passes' sizes as its own. A pass of T tokens with d
-decode rows carries a chunk of T - d, as a server fills its token budget. Launch: the host from
-the forward's first launch to its last (`Runner.launched`); device: CUDA events around it
-(NaN on the CPU); wall: the step, its greedy tokens read back. Medians of `--repeats` after
-`--warmup`. The two modes' greedy tokens are compared on every pass.
+weights, without the layer counter, as a colocated server: `eager`, and `pieces` with the
+passes' sizes as its own. A pass of T tokens with d decode rows carries a chunk of T - d, as a
+server fills its token budget. Launch: the host from the forward's first launch to its last
+(`Runner.launched`); device: CUDA events around it (NaN on the CPU); wall: the step, its greedy
+tokens read back. Medians of `--repeats` after `--warmup`. The two modes' greedy tokens are
+compared on every pass.
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ def main() -> None:
     if most >= min(args.tokens):
         raise SystemExit(f"--decodes {most}: a pass of {min(args.tokens)} tokens holds fewer")
     pages = most * pages_for(CONTEXT + 1, PAGE) + pages_for(max(args.tokens), PAGE)
+    # as a colocated server runs its passes (and the profile): no layer counter
     runners = {
-        "eager": Runner(model, model.new_cache(pages, PAGE), graph_batches=()),
-        "pieces": Runner(
-            model, model.new_cache(pages, PAGE), graph_batches=(), prefill_graphs=args.tokens
-        ),
+        mode: Runner(
+            model,
+            model.new_cache(pages, PAGE),
+            graph_batches=(),
+            count_layers=False,
+            prefill_graphs=args.tokens if mode == "pieces" else (),
+        )
+        for mode in MODES
     }
     began = time.perf_counter()
     runners["pieces"].capture_pieces()

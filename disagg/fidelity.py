@@ -387,13 +387,9 @@ def own_host_markdown(
 
 
 def beyond_markdown(beyond: Mapping[str, tuple[int, int]]) -> str:
-    """fidelity.md's section on the profile replays' passes beyond the profiled grid: per run,
-    (passes costed by extrapolation, passes in all)."""
-    rows = [
-        f"| {run} | {out:,} of {passes:,} | {out / passes:.1%} |"
-        for run, (out, passes) in beyond.items()
-        if passes
-    ]
+    """fidelity.md's section on the profile replays' passes beyond the profiled grid: per run
+    that has any, (passes costed by extrapolation, passes in all)."""
+    rows = [f"| {run} | {n:,} of {all_:,} | {n / all_:.1%} |" for run, (n, all_) in beyond.items()]
     return "\n".join(
         [
             "## Passes beyond the profiled grid",
@@ -424,7 +420,7 @@ def write_report(
     are any, also as out/repeat.csv, `spread` (`spread_table`) where there is any, also as
     out/hw_spread.csv, `own_host` (`own_host_table`) where there is any, also as
     out/own_host.csv, beside the host times fitted (`host_fits`), and the passes beyond the
-    profiled grid (`beyond_markdown`) where a run has any; return the verdicts (judge)."""
+    profiled grid (`beyond_markdown`: the runs that have any); return the verdicts (judge)."""
     verdicts = judge(table, tolerances)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
@@ -441,7 +437,7 @@ def write_report(
     if own_host is not None and len(own_host):
         own_host.to_csv(out / "own_host.csv", index=False)
         text += "\n" + own_host_markdown(own_host, tolerances, host_fits)
-    if beyond and any(n for n, _ in beyond.values()):
+    if beyond:
         text += "\n" + beyond_markdown(beyond)
     (out / "fidelity.md").write_text(text)
     return verdicts

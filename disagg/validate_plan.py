@@ -147,14 +147,15 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
         prompts += [a.prompt_tokens for a in arrivals]
         mix += [a.prompt_tokens + a.output_tokens * q // 4 for a in arrivals for q in range(4)]
         batches.append(min(_group(exp, "decode").max_batch, len(arrivals)))
-        if _scheduler(exp, "prefill").whole_prompts:  # each prompt in one pass, nothing cached
+        policy = _scheduler(exp, "prefill")
+        if policy.whole_prompts:  # each prompt in one pass, nothing cached
             whole += [a.prompt_tokens for a in arrivals]
             continue
         budget = _group(exp, "prefill").token_budget
         chunks.append(budget)
         # a prompt's last chunk comes after its whole chunks before it: of the budget, or of
         # the shorter chunks its policy runs beside decodes
-        for n in {budget, _scheduler(exp, "prefill").chunk_tokens(budget)}:
+        for n in {budget, policy.chunk_tokens(budget)}:
             cached.add(max(n * ((a.prompt_tokens - 1) // n) for a in arrivals))
     top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
@@ -200,11 +201,8 @@ def plan_runs(exps: Sequence[Experiment], rates: Sequence[float]) -> list[Run]:
     kinds = [run_kind(e) for e in exps]
     by_kind = len(set(kinds)) == len(kinds)
     runs = [
-        Run(
-            f"{run_kind(e) if by_kind else e.name}-{r:g}rps",
-            e.updated(f"workload.rate_per_s={r}"),
-        )
-        for e in exps
+        Run(f"{kind if by_kind else e.name}-{r:g}rps", e.updated(f"workload.rate_per_s={r}"))
+        for e, kind in zip(exps, kinds, strict=True)
         for r in rates
     ]
     labels = [r.label for r in runs]
