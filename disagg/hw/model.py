@@ -113,8 +113,11 @@ class TorchOps:
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tables: Tables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotate(q, *tables), rotate(k, *tables)
+    ) -> None:
+        """Rotate q and k in place (they are views of the qkv projection, whose k and v rows
+        then go to the cache in one write)."""
+        q.copy_(rotate(q, *tables))
+        k.copy_(rotate(k, *tables))
 
 
 class FusedOps(TorchOps):
@@ -133,27 +136,23 @@ class FusedOps(TorchOps):
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tables: Tables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> None:
         self.fi.rope.apply_rope_pos_ids_inplace(q, k, positions, rope_theta=ROPE_THETA)
-        return q, k
 
 
-def write_kv(
-    cache: torch.Tensor, x: StepTensors, layout: Layout, k: torch.Tensor, v: torch.Tensor | None
-) -> None:
-    """Store new tokens' entries into one layer's pages at (slot_pages, slot_offsets).
+def write_kv(cache: torch.Tensor, x: StepTensors, layout: Layout, rows: torch.Tensor) -> None:
+    """Store new tokens' entries into one layer's pages at (slot_pages, slot_offsets), in one
+    indexed write (one kernel).
 
-    GQA: k, v [T, kv_heads, head_dim]. MLA: k is the latent row [T, kv_lora + rope], v is None.
+    GQA: rows [T, 2, kv_heads, head_dim], K then V. MLA: the latent rows [T, kv_lora + rope].
     """
     p, o = x.slot_pages, x.slot_offsets
-    if v is None:
-        cache[p, o] = k
-    elif layout == "HND":
-        cache[:, 0][p, :, o] = k
-        cache[:, 1][p, :, o] = v
-    else:
-        cache[:, 0][p, o] = k
-        cache[:, 1][p, o] = v
+    if cache.dim() == 3:  # MLA: [pages, page_size, row]
+        cache[p, o] = rows
+    elif layout == "HND":  # [pages, 2, kv_heads, page_size, head_dim]
+        cache[p, :, :, o] = rows
+    else:  # NHD: [pages, 2, page_size, kv_heads, head_dim]
+        cache[p, :, o] = rows
 
 
 class Transformer:
@@ -449,14 +448,14 @@ class Transformer:
         i: int,
         ops: TorchOps,
     ) -> torch.Tensor:
-        """Layer `i`'s q of the tokens `a`, roped, its k and v roped and written to the cache."""
-        q, k, v = (
-            F.linear(a, layer["wqkv"])
-            .view(a.shape[0], -1, self.spec.head_dim)
-            .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        )
-        q, k = ops.rope(q, k, x.positions, tables)
-        write_kv(cache.layers[i], x, cache.layout.layout, k, v)
+        """Layer `i`'s q of the tokens `a`, roped, its k roped and written to the cache with
+        its v."""
+        t, heads = a.shape[0], self.heads
+        qkv = F.linear(a, layer["wqkv"]).view(t, -1, self.spec.head_dim)
+        q, k = qkv[:, :heads], qkv[:, heads : heads + self.kv_heads]
+        ops.rope(q, k, x.positions, tables)
+        kv = qkv[:, heads:].view(t, 2, self.kv_heads, self.spec.head_dim)
+        write_kv(cache.layers[i], x, cache.layout.layout, kv)
         return q
 
     def _mla(
@@ -481,7 +480,7 @@ class Transformer:
         latent = torch.cat(
             [rms_norm(ckv, layer["kv_norm"]), rotate(kpe[:, None], cos, sin)[:, 0]], -1
         )
-        write_kv(cache.layers[i], x, cache.layout.layout, latent, None)
+        write_kv(cache.layers[i], x, cache.layout.layout, latent)
         q_abs = torch.einsum("thn,hnc->thc", q_nope, layer["w_uk"]).contiguous()
         o = attn.run(cache.layers[i], q_abs, q_pe.contiguous())
         return torch.einsum("thc,hvc->thv", o, layer["w_uv"]).reshape(t, -1)
