@@ -84,6 +84,17 @@ def test_kv_written_by_the_model_sits_where_page_layout_says(kind: str) -> None:
                 np.testing.assert_allclose(got, src[t, head].numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [tiny_gqa(layers=3), tiny_mla(layers=3)], ids=["gqa", "mla"])
+def test_a_pass_writes_each_layers_cache_once(spec) -> None:  # type: ignore[no-untyped-def]
+    """One indexed write a layer (K and V together): on a GPU each is a kernel to launch."""
+    m = Transformer(spec, seed=0)
+    cache = m.new_cache(4, 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        m.forward([Seq.of(PROMPT, 0, [0, 1, 2])], cache)
+    writes = [e for e in prof.events() if e.name == "aten::index_put_"]
+    assert len(writes) == spec.layers
+
+
 @pytest.mark.parametrize("spec", [tiny_gqa(), tiny_mla()], ids=["gqa", "mla"])
 def test_chunked_prefill_equals_one_shot(spec) -> None:  # type: ignore[no-untyped-def]
     m = Transformer(spec, seed=1)
