@@ -129,8 +129,9 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     prompt has (in chunks of the budget, and of a policy's shorter chunks beside decodes);
     decode batches of 1 to the batch limit (or the number of requests), each at the shortest
     prompt's context and at a mix of the contexts the workload's requests pass through while
-    they decode (`decode_mix`: each prompt plus 0, 1/4, 1/2 and 3/4 of its output); mixed
-    passes of each chunk beside each decode batch, at the shortest context and at the mix.
+    they decode (`decode_mix`: each prompt plus 0, 1/4, 1/2 and 3/4 of its output; the profile
+    also draws from its longest quarter); mixed passes of each chunk beside each decode batch,
+    at the shortest context and at the mix.
     The mix, not one long context, gives each batch's line its slope: a server's batches mix
     long and short sequences, which take longer than uniform ones of the same total
     (docs/calibration.md, "Not the graphs: the mix of contexts").

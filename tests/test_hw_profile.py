@@ -11,7 +11,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 import pandas as pd
 import torch
 
-from disagg.hw.profile import COLUMNS, mix_contexts, profile, write_csv
+from disagg.hw.profile import COLUMNS, long_mixes, mix_contexts, profile, write_csv
 from disagg.hw.specs import tiny_gqa
 
 
@@ -56,9 +56,10 @@ def test_profile_on_cpu_writes_the_cost_model_table(tmp_path: Path) -> None:
         (32, 16),
     ]
     assert (prefill.batch == 1).all()
-    # each batch at 8 tokens, then at the mix: 13 (its median) alone, all four (mean 16.75)
-    assert list(decode.tokens) == list(decode.batch) == [1, 4, 1, 4]
-    assert list(decode.context) == [8, 8, 13, 17]
+    # each batch at 8 tokens, then at the mix: 13 (its median) alone, all four (mean 16.75);
+    # then batch 1 at the mix's longest quarter, 40 (four of 40 would not fit the cache)
+    assert list(decode.tokens) == list(decode.batch) == [1, 4, 1, 4, 1]
+    assert list(decode.context) == [8, 8, 13, 17, 40]
     assert (df.duration_s > 0).all()
     assert (df.host_s == 0.0).all()  # on the CPU the step's wall time is its duration
     back = pd.read_csv(write_csv(df, tmp_path / "gpu_profile.csv"))
@@ -76,6 +77,15 @@ def test_a_mixed_batch_takes_the_pools_quantiles_in_a_seeded_order() -> None:
     assert sorted(mix_contexts(pool, 16)) == sorted(pool * 2)
     orders = {mix_contexts(pool, 8, seed=s) for s in range(5)}
     assert len(orders) > 1 and all(sorted(o) == sorted(pool) for o in orders)
+
+
+def test_a_long_mix_draws_from_the_longest_quarter_where_the_cache_has_room() -> None:
+    """Of 1-8, the longest quarter is 7 and 8. The whole pool's mix at the largest batch, 4,
+    takes 2, 4, 6 and 8 (20 tokens): the long mixes of 1 and 2 fit in that, 4's (30) does not."""
+    long = long_mixes(range(1, 9), [1, 2, 4], seed=0)
+    assert sorted(long) == [1, 2]
+    assert long[1] == (8,) and sorted(long[2]) == [7, 8]
+    assert long_mixes((), [1, 2], seed=0) == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,11 +7,13 @@ model cut to `layers` layers. With `mixed` it also times mixed passes: a prompt 
 `tokens` new tokens (no cached ones) beside `batch` decodes of `context` cached tokens each.
 With `decode_mix` it also times each decode batch, and each mixed pass, with decodes whose
 contexts spread as a server's do: drawn from `decode_mix` (`mix_contexts`), the context
-column their mean. A server's batch mixes long and short sequences, and a large one takes
-longer than one whose sequences all have its mean context, which a line through uniform batches
-does not see (`benchmarks/decode_shape.py`); and a mixed pass reads its decodes' context in the
-prefill kernel, more slowly than a decode pass does, which mixed passes at one short context do
-not show (docs/calibration.md, "Not the graphs: the mix of contexts").
+column their mean; and once more drawn from its longest quarter, whose mean a server's small
+batches often pass (`long_mixes`: the batches the profile's cache has room for). A server's
+batch mixes long and short sequences, and a large one takes longer than one whose sequences
+all have its mean context, which a line through uniform batches does not see
+(`benchmarks/decode_shape.py`); and a mixed pass reads its decodes' context in the prefill
+kernel, more slowly than a decode pass does, which mixed passes at one short context do not
+show (docs/calibration.md, "Not the graphs: the mix of contexts").
 Columns: kind ("prefill" / "decode" / "mixed"), tokens (new tokens in the step: prefill tokens,
 the decode batch, or a mixed pass's chunk), batch, context (cached tokens per decoding or
 prefilling sequence; a decode row's mean), duration_s, host_s, graph_batch (the batch of the
@@ -54,6 +56,22 @@ def mix_contexts(pool: Sequence[int], batch: int, seed: int = 0) -> tuple[int, .
     picks = [ranked[int((i + 0.5) * len(ranked) / batch)] for i in range(batch)]
     random.Random(seed * 1_000_003 + batch).shuffle(picks)
     return tuple(picks)
+
+
+def long_mixes(
+    pool: Sequence[int], batches: Sequence[int], seed: int
+) -> dict[int, tuple[int, ...]]:
+    """Per batch, contexts drawn from the longest quarter of `pool` (`mix_contexts`): a server's
+    small batches often hold only long sequences, past the whole pool's mean. Only batches whose
+    long mix needs no more tokens than the whole pool's mix at the largest batch (the cache the
+    profile holds anyway): a large batch's mean stays near the pool's."""
+    if not pool or not batches:
+        return {}
+    ranked = sorted(pool)
+    longest = ranked[len(ranked) * 3 // 4 :]
+    room = sum(mix_contexts(pool, max(batches), seed))
+    mixes = {b: mix_contexts(longest, b, seed) for b in batches}
+    return {b: m for b, m in mixes.items() if sum(m) <= room}
 
 
 def decode_seqs(
@@ -142,10 +160,15 @@ def profile(
         weight_cache=weight_cache,
     )
     prefill = [(n, c) for n in prefill_tokens for c in prefill_context]
+    batches = sorted({*decode_batch, *(b for _, b, _ in mixed)}) if decode_mix else []
+    mixes = {b: mix_contexts(decode_mix, b, seed) for b in batches}
+    mixes_long = long_mixes(decode_mix, batches, seed)
     decode = [(c,) * b for b in decode_batch for c in decode_context]
-    decode += [mix_contexts(decode_mix, b, seed) for b in decode_batch if decode_mix]
+    for mix in (mixes, mixes_long):
+        decode += [mix[b] for b in decode_batch if b in mix]
     beside = [(n, (c,) * b) for n, b, c in mixed]  # a chunk and its decodes' contexts
-    beside += [(n, mix_contexts(decode_mix, b, seed)) for n, b, _ in mixed if decode_mix]
+    for mix in (mixes, mixes_long):
+        beside += [(n, mix[b]) for n, b, _ in mixed if b in mix]
 
     def pages(ctx: Sequence[int]) -> int:  # decodes of these contexts, a new token each
         return sum(pages_for(c + 1, page_size) for c in ctx)
