@@ -710,8 +710,9 @@ def validate_cmd(
     schedulers: Annotated[
         str | None,
         typer.Option(
-            help="Colocated scheduler policies to run as well, at every load, e.g. "
-            "prefill_first,decode_priority (the colocated experiment under each)"
+            help="Colocated scheduler policies to run as well, at every load, each with its "
+            "settings as :KEY=VALUE, e.g. prefill_first,decode_priority:chunk_with_decodes=512 "
+            "(the colocated experiment under each)"
         ),
     ] = None,
     set_: Overrides = None,

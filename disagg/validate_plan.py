@@ -56,32 +56,62 @@ def other_mode(exp: Experiment) -> Experiment:
     return build_experiment(data, source=f"{exp.name} in cluster.mode={mode!r}")
 
 
-def with_schedulers(exps: Sequence[Experiment], names: Sequence[str]) -> list[Experiment]:
+def with_schedulers(exps: Sequence[Experiment], texts: Sequence[str]) -> list[Experiment]:
     """`exps`, then the first colocated one of them (else the first's other mode) once more for
-    each colocated scheduler policy in `names`, named EXPERIMENT-POLICY. ConfigError naming a
-    policy that is unknown, schedules no colocated node, or runs already."""
+    each colocated scheduler policy in `texts` (`parse_scheduler`), named EXPERIMENT-POLICY
+    (`policy_label`). ConfigError naming a policy that is unknown, schedules no colocated
+    node, has a bad setting, or runs already."""
     base = next((e for e in exps if e.cluster.mode == "colocated"), None) or other_mode(exps[0])
     out = list(exps)
-    for name in names:
-        try:
-            policy = scheduler_for("colocated", SCHEDULERS.parse(name))
-        except ConfigError as e:
-            raise ConfigError(f"--schedulers {name!r}: {e}") from None
+    for text in texts:
+        policy = parse_scheduler(text)
         spec = json.dumps(policy.model_dump(mode="json"))
-        variant = base.updated(f"cluster.colocated.scheduler={spec}", f"name={base.name}-{name}")
+        name = f"name={base.name}-{policy_label(policy)}"
+        variant = base.updated(f"cluster.colocated.scheduler={spec}", name)
         if run_kind(variant) in map(run_kind, out):
-            raise ConfigError(f"--schedulers {name!r}: a colocated run has that policy already")
+            raise ConfigError(f"--schedulers {text!r}: a colocated run has that policy already")
         out.append(variant)
     return out
 
 
+def parse_scheduler(text: str) -> SchedulerPolicy:
+    """A colocated scheduler policy from its name and its settings, each as :KEY=VALUE
+    ("decode_priority:chunk_with_decodes=512"). ConfigError naming `text` and what is wrong."""
+    name, *pairs = text.split(":")
+    settings: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not (key and eq) or key in (*settings, "name"):
+            raise ConfigError(
+                f"--schedulers {text!r}: {pair!r}: give each setting once, as :KEY=VALUE"
+            )
+        settings[key] = value
+    try:
+        return scheduler_for("colocated", SCHEDULERS.parse({**settings, "name": name}))
+    except ConfigError as e:
+        raise ConfigError(f"--schedulers {text!r}: {e}") from None
+
+
+def policy_label(policy: SchedulerPolicy) -> str:
+    """A policy's name, then each setting it has away from its default as .KEY=VALUE
+    ("decode_priority.chunk_with_decodes=512")."""
+    defaults = type(policy).model_fields
+    changed = [
+        f".{key}={value}"
+        for key, value in policy.model_dump(mode="json").items()
+        if key != "name" and value != defaults[key].default
+    ]
+    return policy.name + "".join(changed)
+
+
 def run_kind(exp: Experiment) -> str:
     """What a run's label calls its experiment: its cluster mode, and the scheduler of a
-    colocated one that runs another than the default ("colocated-prefill_first")."""
+    colocated one that runs another than the default ("colocated-prefill_first"), with its
+    settings away from their defaults (`policy_label`)."""
     if exp.cluster.mode != "colocated":
         return exp.cluster.mode
-    policy = _scheduler(exp, "prefill").name
-    return "colocated" if policy == DEFAULT_SCHEDULERS["colocated"] else f"colocated-{policy}"
+    label = policy_label(_scheduler(exp, "prefill"))
+    return "colocated" if label == DEFAULT_SCHEDULERS["colocated"] else f"colocated-{label}"
 
 
 def _arrivals(exp: Experiment) -> list[Arrival]:

@@ -734,6 +734,48 @@ def test_a_scheduler_that_is_unknown_not_colocated_or_there_already_is_refused(
         with_schedulers([load_experiment(TINY)], ["prefill_first", "prefill_first"])
 
 
+def test_a_scheduler_runs_at_the_settings_given_after_its_name() -> None:
+    """decode_priority at its default and at chunk_with_decodes=8: two kinds, the second
+    labelled with the setting it changes; the default given again is the first once more."""
+    tiny = load_experiment(TINY, ["workload.num_requests=6"])
+    texts = ["decode_priority", "decode_priority:chunk_with_decodes=8"]
+    exps = with_schedulers([tiny], texts)
+    policy = exps[2].cluster.colocated.scheduler
+    assert policy is not None and policy.model_dump()["chunk_with_decodes"] == 8
+    assert exps[2].name == "tiny-disagg-colocated-decode_priority.chunk_with_decodes=8"
+    assert [r.label for r in plan_runs(exps, [5.0])] == [
+        "disagg-5rps",
+        "colocated-decode_priority-5rps",
+        "colocated-decode_priority.chunk_with_decodes=8-5rps",
+    ]
+    # its chunks of 8 beside decodes: a last chunk after a multiple of 8 cached tokens
+    from disagg.core.workload import generate
+
+    prompts = [a.prompt_tokens for a in generate(tiny.workload, tiny.seed)]
+    assert max(8 * ((p - 1) // 8) for p in prompts) in profile_grid([exps[2]], 3).prefill_context
+    again = "--schedulers 'decode_priority:chunk_with_decodes=256': a colocated run has that"
+    with pytest.raises(ConfigError, match=re.escape(again)):
+        with_schedulers([tiny], ["decode_priority", "decode_priority:chunk_with_decodes=256"])
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("decode_priority:chunk_with_decodes=0", "chunk_with_decodes: Input should be greater"),
+        ("decode_priority:chunk_with_decodes=many", "chunk_with_decodes: Input should be a valid"),
+        ("decode_priority:chunk=8", "chunk: Extra inputs are not permitted"),
+        ("prefill_first:chunk_with_decodes=8", "chunk_with_decodes: Extra inputs are not"),
+        ("decode_priority:chunk_with_decodes", "'chunk_with_decodes': give each setting once"),
+        ("decode_priority:name=chunked", "'name=chunked': give each setting once, as :KEY=VALUE"),
+    ],
+)
+def test_a_bad_scheduler_setting_is_refused_by_name(text: str, said: str) -> None:
+    with pytest.raises(
+        ConfigError, match=re.escape(f"--schedulers {text!r}: ") + ".*" + re.escape(said)
+    ):
+        with_schedulers([load_experiment(TINY)], [text])
+
+
 def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
     """A decode pass runs in the CUDA graph of the next power of two, and an MoE pass's time
     follows the experts its batch activates, so the decode axis gets 1, 2, 4, 8, ... up to the
@@ -1080,6 +1122,10 @@ def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: P
         ([str(TINY), "--rates", "2,fast"], "--rates '2,fast': give comma-separated"),
         ([str(TINY), "--rates", "0,nan"], "--rates '0,nan': give request rates > 0"),
         ([str(TINY), "--schedulers", "fcfs"], "--schedulers 'fcfs': cluster.colocated.scheduler"),
+        (
+            [str(TINY), "--schedulers", "decode_priority:chunk_with_decodes=-1"],
+            "--schedulers 'decode_priority:chunk_with_decodes=-1': scheduler policy",
+        ),
         (["--replay"], "not a validate directory (needs hw/ runs and profile.csv)"),
         ([str(TINY), "--replay"], "--replay replays the runs in --out: give no experiments"),
     ],
