@@ -1044,9 +1044,10 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
 
 
 def test_validate_measures_each_colocated_scheduler_asked_for(tmp_path: Path) -> None:
-    """--schedulers prefill_first,decode_priority at one load of six requests: a colocated run
-    under each beside the two modes, each replayed; prefill-first's passes with prompts carry
-    no decodes on either backend, and the profile reaches its longest whole prompt."""
+    """--schedulers prefill_first,decode_priority:chunk_with_decodes=16 at one load of six
+    requests: a colocated run under each beside the two modes, each replayed; prefill-first's
+    passes with prompts carry no decodes on either backend, decode-priority's carry chunks of
+    16 tokens at most beside decodes, and the profile reaches the longest whole prompt."""
     pytest.importorskip("torch")
     pytest.importorskip("zmq")
     from typer.testing import CliRunner
@@ -1055,12 +1056,14 @@ def test_validate_measures_each_colocated_scheduler_asked_for(tmp_path: Path) ->
 
     out = tmp_path / "policies"
     args = ["validate", str(TINY), "--requests", "6", "--grid-points", "2", "--rates", "1000"]
-    args += ["--schedulers", "prefill_first,decode_priority", "--set", "hw.wire=tcp"]
+    policies = "prefill_first,decode_priority:chunk_with_decodes=16"
+    args += ["--schedulers", policies, "--set", "hw.wire=tcp"]
     res = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "hw run 3/4: colocated-prefill_first-1000rps (colocated, 1000 req/s)" in res.output
     table = pd.read_csv(out / "fidelity.csv")
-    kinds = ["disagg", "colocated", "colocated-prefill_first", "colocated-decode_priority"]
+    priority = "colocated-decode_priority.chunk_with_decodes=16"
+    kinds = ["disagg", "colocated", "colocated-prefill_first", priority]
     assert list(dict.fromkeys(table.run)) == [f"{k}-1000rps" for k in kinds]
     assert np.isfinite(table.sim_profile).all() and (table.sim_profile > 0).all()
     label = "colocated-prefill_first-1000rps"
@@ -1071,6 +1074,9 @@ def test_validate_measures_each_colocated_scheduler_asked_for(tmp_path: Path) ->
         with_prompts = passes[passes.prefill_tokens > 0]
         assert len(with_prompts) and (with_prompts.decode_seqs == 0).all()
         assert (passes.decode_seqs > 0).any()
+        beside = pd.read_parquet(steps.parent / f"{priority}-1000rps" / "steps.parquet")
+        beside = beside[(beside.prefill_tokens > 0) & (beside.decode_seqs > 0)]
+        assert len(beside) and beside.prefill_tokens.max() <= 16
     prompts = pd.read_parquet(out / "hw" / label / "requests.parquet").prompt_tokens
     profiled = pd.read_csv(out / "profile.csv")
     assert profiled[profiled.kind == "prefill"].tokens.max() == prompts.max() > 64
