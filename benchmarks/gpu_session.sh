@@ -26,7 +26,8 @@
 # its directory in the checkout, which a warm machine keeps between calls: a validate longer
 # than one call goes on in the next with VALIDATE_ARGS="... --resume" (the same other flags).
 # VALIDATE_ARGS="... --schedulers prefill_first,decode_priority" adds the colocated schedulers
-# (about 300 s more for Llama at 128 requests a run).
+# (about 300 s more for Llama at 128 requests a run). Every *_ARGS is read as a shell reads a
+# command line, quotes and all: VALIDATE_ARGS="--set 'hw.latency.prefill_graphs=[256,512]'".
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
 # PIECES=1 adds benchmarks/prefill_pieces.py (about 1 min): a pass with a prompt chunk launched
@@ -49,6 +50,16 @@ export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 [ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD DISAGG_WEIGHT_CACHE=${DISAGG_WEIGHT_CACHE:-$PWD/.weights}
+# a *_ARGS variable's words as a shell reads a command line: quotes group a word and go, and
+# nothing is run or globbed (--set 'hw.latency.prefill_graphs=[256,512]' is one flag's value)
+words() { python3 -c 'import shlex, sys; sys.stdout.write("".join(w + "\n" for w in shlex.split(sys.argv[1])))' "$1"; }
+for V in BENCH_ARGS SPREAD_ARGS VALIDATE_ARGS PYSPY_ARGS; do  # a quote left open stops the session
+  words "${!V:-}" >/dev/null 2>&1 || { echo "$V: a quote is not closed: ${!V}" | tee -a "$LOG"; exit 2; }
+done
+mapfile -t BENCH_FLAGS < <(words "${BENCH_ARGS:-}")
+mapfile -t SPREAD_FLAGS < <(words "${SPREAD_ARGS:-}")
+mapfile -t VALIDATE_FLAGS < <(words "${VALIDATE_ARGS:-}")
+mapfile -t PYSPY_FLAGS < <(words "${PYSPY_ARGS:---set workload.rate_per_s=9.52 --set workload.num_requests=128 --set hw.latency.cores_per_server=2}")
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
 # the host's cores (which share a physical core), the interrupts each has taken and its time,
@@ -62,7 +73,7 @@ irqs() { awk -v when="$1" 'NR == 1 { n = NF; next }
 lscpu -e >>"$OUT/gpu.txt" 2>&1; irqs "at the start"
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
   --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
-[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py ${BENCH_ARGS:-} --prefill-device "$P" \
+[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py "${BENCH_FLAGS[@]}" --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null
 TTFT_ARGS=(--prefill-device "$P" --decode-device "$D" --spacing-s "${SPACING:-3}")
@@ -103,7 +114,7 @@ if [ -n "${MOE:-}" ]; then
   tar -czf "$OUT/moe.tgz" -C "$RUNS" moe
 fi
 [ -z "${SPREAD:-}" ] || timeout "${SPREAD_TIMEOUT:-300}" python3 benchmarks/host_spread.py \
-  "${SPREAD_EXP:-experiments/llama8b-h200.toml}" --device "cuda:$D" ${SPREAD_ARGS:-} --out "$RUNS/spread" 2>&1 \
+  "${SPREAD_EXP:-experiments/llama8b-h200.toml}" --device "cuda:$D" "${SPREAD_FLAGS[@]}" --out "$RUNS/spread" 2>&1 \
   | tail -20 | tee -a "$LOG"
 cp "$RUNS"/spread/host_spread.md "$RUNS"/spread/host_spread.csv "$OUT"/ 2>/dev/null
 if [ -n "${PYSPY:-}" ]; then
@@ -111,8 +122,7 @@ if [ -n "${PYSPY:-}" ]; then
   mkdir -p "$RUNS/pyspy"
   timeout 300 /tmp/pyspy/bin/py-spy record --subprocesses --idle --nonblocking --format raw -r 250 \
     -o "$RUNS/pyspy/raw.txt" -- python3 -m disagg.cli hw run experiments/llama8b-h200.toml \
-    --decode-device "cuda:$D" --out "$RUNS/pyspy/run" ${PYSPY_ARGS:---set workload.rate_per_s=9.52 \
-    --set workload.num_requests=128 --set hw.latency.cores_per_server=2} 2>&1 | tail -12 | tee -a "$LOG"
+    --decode-device "cuda:$D" --out "$RUNS/pyspy/run" "${PYSPY_FLAGS[@]}" 2>&1 | tail -12 | tee -a "$LOG"
   pkill -f "disagg.cli hw run" && echo "py-spy left its run behind: stopped" | tee -a "$LOG"
   python3 benchmarks/pyspy_host.py "$RUNS/pyspy/raw.txt" --rate 250 --run "$RUNS/pyspy/run" \
     --top 40 --out "$OUT/pyspy_host.md" 2>&1 | head -30 | tee -a "$LOG"
@@ -126,7 +136,7 @@ if [ -n "${VALIDATE:-}" ]; then
   VALIDATE_OUT=${VALIDATE_OUT:-$RUNS/validate}
   echo "validate: ${VT} s of the call left" | tee -a "$LOG"
   timeout "$(( VT > 1 ? VT : 1 ))" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
-    --device "cuda:$D" --out "$VALIDATE_OUT" ${VALIDATE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
+    --device "cuda:$D" --out "$VALIDATE_OUT" "${VALIDATE_FLAGS[@]}" 2>&1 | tail -40 | tee -a "$LOG"
   tar -czf "$OUT/validate.tgz" --exclude='*.parquet.tmp' -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
 fi
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
