@@ -292,7 +292,11 @@ def inter_token_latency(
     carries. A prefill that shares a pass with decodes shows up here as stutter; with
     `requests`, so does one that keeps them waiting in a pass of its own (`decode_waits`). The
     p-th percentile is the smallest wait with at least p of the weight at or below it."""
-    wait_s, weight_s = decode_waits(steps, requests)
+    return itl_percentiles(*decode_waits(steps, requests))
+
+
+def itl_percentiles(wait_s: pd.Series, weight_s: pd.Series) -> dict[str, float]:
+    """`inter_token_latency` of the waits `decode_waits` gives."""
     names = {500: "p50", 900: "p90", 990: "p99", 999: "p999"}  # per mille
     if wait_s.empty:
         return {f"itl_s_{n}": math.nan for n in names.values()}
@@ -368,7 +372,8 @@ def summarize(
     out["tps_per_user_p50"] = float(np.median(1 / done.tpot_s.dropna())) if len(done) else 0.0
     tokens = float(done.output_tokens.sum())
     out["output_tps_per_gpu"] = tokens / simulated_s / gpus if simulated_s else 0.0
-    out |= inter_token_latency(steps, requests)
+    waits = decode_waits(steps, requests)  # a node's stalls are found once, for both uses
+    out |= itl_percentiles(*waits)
     out["transfer_bytes_per_request"] = float(transfers.bytes.mean()) if len(transfers) else 0.0
     out["transfer_ops_per_request"] = float(transfers.ops.mean()) if len(transfers) else 0.0
     out["transfer_s_p50"] = (
@@ -380,7 +385,7 @@ def summarize(
     out["gpus"] = gpus
     out["simulated_s"] = simulated_s
     out["wall_s"] = wall_s
-    return out | standard_metrics(requests, *decode_waits(steps, requests), slo=slo)
+    return out | standard_metrics(requests, *waits, slo=slo)
 
 
 def write_results(
