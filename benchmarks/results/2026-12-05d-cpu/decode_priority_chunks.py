@@ -9,13 +9,12 @@ validate replayed them), against chunked prefill: which settings are worth a GPU
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 
-from disagg.config import load_experiment
-from disagg.core.metrics import requests_table, steps_table, summarize, transfers_table
-from disagg.sim.cluster import Sim
+from disagg.validate import replay
 
 root = Path(sys.argv[1])
 profile = f"cost.source=profile:{(root / 'profile.csv').resolve()}"
@@ -24,23 +23,18 @@ policies = [("chunked", "chunked")] + [
     for n in (256, 512, 1024, 1536)
 ]
 rows = []
-for load in ("2.67", "5.34", "9.08"):
-    for name, spec in policies:
-        exp = load_experiment(root / "sim-profile" / f"colocated-{load}rps").updated(
-            profile, f"cluster.colocated.scheduler={spec}"
-        )
-        sim = Sim(exp)
-        sim.run()
-        req, steps = requests_table(sim.requests.values()), steps_table(sim.rec)
-        s = summarize(req, steps, transfers_table(sim.rec), exp.cluster.total_gpus, 0.0)
-        figures = {
-            f"{k} {q}": s[f"{k}_s_{q}"] * 1e3
-            for k, qs in (("ttft", "p50 p90"), ("tpot", "p50 p90"), ("itl", "p99"))
-            for q in qs.split()
-        }
-        beyond = sim.cost_summary(steps)["profile_passes_extrapolated"]
-        rows.append(
-            {"req/s": load, "policy": name, **figures, "tok/s": s["output_throughput"],
-             "beyond the grid": beyond}
-        )  # fmt: skip
+with tempfile.TemporaryDirectory() as tmp:
+    for load in ("2.67", "5.34", "9.08"):
+        for name, spec in policies:
+            flags = [profile, f"cluster.colocated.scheduler={spec}"]
+            s, _ = replay(root / "sim-profile" / f"colocated-{load}rps", flags, Path(tmp))
+            figures = {
+                f"{k} {q}": s[f"{k}_s_{q}"] * 1e3
+                for k, qs in (("ttft", "p50 p90"), ("tpot", "p50 p90"), ("itl", "p99"))
+                for q in qs.split()
+            }
+            rows.append(
+                {"req/s": load, "policy": name, **figures, "tok/s": s["output_throughput"],
+                 "beyond the grid": s["profile_passes_extrapolated"]}
+            )  # fmt: skip
 print(pd.DataFrame(rows).round(1).to_markdown(index=False))
