@@ -10,7 +10,7 @@ of it and `disagg sim run RUN_DIR` replays the run as it ran. Command-line flags
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -55,6 +55,13 @@ class LatencyConfig(_Frozen):
     # the pinned cores (servers', then the driver's) begin this many cores into that order:
     # 1 or more leaves the first core, where a host often takes its interrupts, to the OS
     first_core: int = Field(default=0, ge=0)
+
+
+def pieces_size(sizes: Sequence[int], tokens: int) -> int | None:
+    """The padded size a pass of `tokens` new tokens (decodes' included) replays in
+    `prefill_graphs` of `sizes`: the smallest that holds it; None if none does (it runs
+    eagerly). The hw runner runs it so, and the simulator's profile costs it so."""
+    return min((s for s in sizes if s >= tokens), default=None)
 
 
 class CudaWireConfig(_Frozen):

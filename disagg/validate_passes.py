@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from disagg.config import Experiment
-from disagg.sim.costmodel import CostModel, StepShape, make_cost_model
+from disagg.sim.costmodel import CostModel, StepShape, make_cost_model, padded_chunk
 
 SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
@@ -108,6 +108,17 @@ def shape_device(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
     return pd.Series(out, index=steps.index)
 
 
+def costed_chunks(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
+    """Per row of `steps` (passes with a prompt chunk), the tokens its chunk is costed at
+    (`ProfileCost.padded_chunk`): with hw.latency.prefill_graphs, what its piece holds."""
+    qo, pieces = 1 + exp.spec.draft_tokens, exp.hw.latency.prefill_graphs
+    padded = [
+        padded_chunk(pieces, int(n), int(d) * qo)
+        for n, d in zip(steps.prefill_tokens, steps.decode_seqs, strict=True)
+    ]
+    return pd.Series(padded, index=steps.index, dtype=float)
+
+
 def _steps(rows: pd.DataFrame) -> np.ndarray:
     """Passes per steps row (a simulated run of identical decode passes is one row)."""
     return rows.steps.to_numpy(int) if "steps" in rows else np.ones(len(rows), int)
@@ -153,7 +164,8 @@ def pass_offsets(steps: pd.DataFrame, exp: Experiment) -> list[list[float]]:
     chunks = steps[(steps.prefill_tokens > 0) & steps.device_s.notna()]
     if chunks.empty:
         return []
-    tokens, beyond = chunks.prefill_tokens, chunks.device_s - shape_device(chunks, exp)
+    tokens = costed_chunks(chunks, exp)
+    beyond = chunks.device_s - shape_device(chunks, exp)
     out = []
     for lo, hi, last in _ranges(tokens, PASS_BINS):
         pick = _within(tokens, lo, hi, last)

@@ -171,8 +171,13 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     so its fixed part steps up past each; and an MoE pass's time follows the experts its batch
     activates, which grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences
     ran up to 16% longer than interpolated between batches 1, 6 and 40). Mixed passes, which
-    run eagerly, keep the `points` batches."""
+    run eagerly, keep the `points` batches.
+
+    With hw.latency.prefill_graphs, each size up to the largest chunk is a chunk of the grid
+    too: a pass replays the piece of the next size up, padded to it, so the profile reads each
+    piece at its own size (disagg.sim.costmodel.padded_chunk)."""
     prompts, mix, chunks, whole, batches, cached = [], [], [], [0], [], {0}
+    pieces = {n for exp in exps for n in exp.hw.latency.prefill_graphs}
     for exp in exps:
         arrivals = _arrivals(exp)
         prompts += [a.prompt_tokens for a in arrivals]
@@ -190,11 +195,12 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
             cached.add(max(n * ((a.prompt_tokens - 1) // n) for a in arrivals))
     top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
+    padded = sorted({*prefill_tokens, *(n for n in pieces if n <= top)})
     decode_batch = log_grid(1, max(batches), points)
     powers = (2**k for k in range(max(batches).bit_length()))
     return Grid(
         # whole prompts past every budget run in passes of their own, up to the longest
-        prefill_tokens=prefill_tokens + log_grid(top, max(top, *whole), points)[1:],
+        prefill_tokens=(*padded, *log_grid(top, max(top, *whole), points)[1:]),
         prefill_context=tuple(sorted(cached)),
         decode_batch=tuple(sorted({*decode_batch, *powers})),
         decode_context=(min(prompts),),
@@ -210,7 +216,7 @@ def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
     from disagg.core.scheduler import chunk_attn_pairs
     from disagg.sim.costmodel import ProfileCost, StepShape
 
-    cost = ProfileCost(profile_csv)
+    cost = ProfileCost(profile_csv, pieces=exp.hw.latency.prefill_graphs)
     arrivals = _arrivals(exp)
     prompt = float(np.mean([a.prompt_tokens for a in arrivals]))
     output = float(np.mean([a.output_tokens for a in arrivals]))

@@ -17,9 +17,10 @@ from disagg.hw.attention import TorchAttention
 from disagg.hw.batch import Seq
 from disagg.hw.cache import KVCache
 from disagg.hw.model import Transformer
-from disagg.hw.pieces import PrefillPieces, pieces_size
+from disagg.hw.pieces import PrefillPieces
 from disagg.hw.runner import Runner
 from disagg.hw.specs import small_gqa, tiny_gqa, tiny_mla
+from disagg.settings import pieces_size
 
 PAGE = 16
 

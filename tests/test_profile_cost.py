@@ -12,7 +12,13 @@ from disagg.config import build_experiment
 from disagg.core.metrics import host_share, requests_table, steps_table
 from disagg.errors import ConfigError
 from disagg.sim.cluster import Sim
-from disagg.sim.costmodel import ProfileCost, RooflineCost, StepShape, make_cost_model
+from disagg.sim.costmodel import (
+    ProfileCost,
+    RooflineCost,
+    StepShape,
+    make_cost_model,
+    padded_chunk,
+)
 
 # prefill: 1 ms per 512 tokens; decode: 10 ms + 0.1 us per cached token of the batch.
 # host_s medians: prefill 0.4 ms (of 0.2, 0.4, 0.9), decode 0.25 ms (of 0.1, 0.3, 0.5, 0.2)
@@ -340,3 +346,44 @@ def test_a_mixed_pass_measured_at_two_contexts_grows_with_its_decodes_context(
     assert c.step_time(three) == pytest.approx(0.012)
     one = ProfileCost(table(tmp_path))
     assert one.mixed_context_s == 0.0 and one.mixed_offset(8, 1024) == pytest.approx(-0.004)
+
+
+def pieces_table(tmp_path: Path) -> Path:
+    """Chunks profiled at 300, 700 and 2048 tokens (1, 2, 4 ms; after 2,048 cached: 1.5, 2.5,
+    6 ms) by a server that ran them in pieces of 512, 1024 and 2048 tokens."""
+    rows = [f"prefill,{n},1,0,{t},0" for n, t in ((300, 0.001), (700, 0.002), (2048, 0.004))]
+    rows += [f"prefill,{n},1,2048,{t},0" for n, t in ((300, 0.0015), (700, 0.0025), (2048, 0.006))]
+    rows += [f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},0" for b, c, _ in DECODE]
+    path = tmp_path / "pieces.csv"
+    path.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    return path
+
+
+def test_a_chunk_in_a_piece_costs_the_piece_at_its_own_attention(tmp_path: Path) -> None:
+    """In pieces of 512, 1024 and 2048 tokens a pass is padded to the next size up, and so
+    were the profile's: its 300- and 700-token rows are the 512 and 1024 pieces. A 1,235-token
+    chunk costs the 2048 piece (4 ms), not 2 + 535/1348 x 2 ms between 700 and 2048; a 450-token
+    chunk after 2,048 cached tokens costs the 512 piece at the context that gives 512 rows its
+    attention pairs: 450 x 2048 + 450 x 451 / 2 = 1,023,075 pairs, 1,023,075 / 512 - 256.5 =
+    1,741.7 cached, 1 + 0.5 x 1,741.7 / 2048 ms. A chunk beside decodes fills its piece less
+    the decode rows; a pass no piece holds runs eagerly, costed at its own tokens."""
+    pieces = ProfileCost(pieces_table(tmp_path), pieces=[1024, 512, 2048])
+    plain = ProfileCost(pieces_table(tmp_path))
+    assert pieces.step_time(prefill(1235)) == pytest.approx(0.004)
+    assert plain.step_time(prefill(1235)) == pytest.approx(0.002 + 535 / 1348 * 0.002)
+    after = StepShape(prefill_tokens=450, prefill_attn_pairs=450 * 2048 + 450 * 451 / 2)
+    cached = (450 * 2048 + 450 * 451 / 2) / 512 - 256.5
+    assert pieces.step_time(after) == pytest.approx(0.001 + 0.0005 * cached / 2048)
+    assert pieces.step_time(prefill(512)) == pytest.approx(0.001)  # the 300 row, read at 512
+    assert [padded_chunk([512, 1024, 2048], n, d) for n, d in [(900, 24), (2040, 16)]] == [
+        1000,
+        2040,  # 2,056 rows: past every piece
+    ]
+    # eager at 3,000 tokens: the curve's last segment, 1024 to 2048, extended
+    assert pieces.step_time(prefill(3000)) == pytest.approx(0.004 + 952 / 1024 * 0.002)
+    cluster = {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}}
+    data = {"model": {"name": "tiny-gqa"}, "cluster": cluster}
+    data["cost"] = {"source": f"profile:{pieces_table(tmp_path)}"}
+    exp = build_experiment(data, ["hw.latency.prefill_graphs=[2048, 512, 1024]"])
+    cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
+    assert isinstance(cost, ProfileCost) and cost.pieces == [512, 1024, 2048]

@@ -567,6 +567,10 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     unread = steps.assign(prefill_attn_pairs=[chunk_attn_pairs(0, n) for n in [*tokens, 0]])
     assert pass_offsets(unread, exp) != pass_offsets(steps, exp)
     assert pass_offsets(steps.assign(device_s=math.nan), exp) == []  # the CPU
+    # in pieces of 256, 512 and 1024 tokens each pass is read at the chunk it is costed at,
+    # its piece less its decodes: 253, 256 | 507, 511 | 512, 1020 | 1022, 1024 by range
+    pieces = exp.updated("hw.latency.prefill_graphs=[256,512,1024]")
+    assert [n for n, _ in pass_offsets(steps, pieces)] == [254.5, 509.0, 766.0, 1023.0]
     assert not has_shapes(steps.drop(columns="decode_context"))
     assert not has_shapes(steps.assign(prefill_attn_pairs=math.nan))
 
@@ -789,6 +793,17 @@ def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None
         assert grid.decode_batch == (1, 2, 4, 8, 16)
         assert {b for _, b, _ in grid.mixed} == {1, 4, 16}
     assert profile_grid([dense], 4).decode_batch == (1, 2, 3, 4, 6, 8, 16)
+
+
+def test_each_piece_up_to_the_largest_chunk_is_a_chunk_of_the_grid() -> None:
+    """A pass replays the piece of the next size up (hw.latency.prefill_graphs), so each size
+    up to the largest chunk is profiled as a chunk; the mixed passes keep the log grid's."""
+    plain = load_experiment(TINY, ["workload.num_requests=40"])
+    top = max(profile_grid([plain], 3).prefill_tokens)
+    pieces = plain.updated(f"hw.latency.prefill_graphs=[8, 16, {top}, {2 * top}]")
+    grid, log = profile_grid([pieces], 3), profile_grid([plain], 3)
+    assert grid.prefill_tokens == tuple(sorted({8, 16, *log.prefill_tokens}))
+    assert grid.mixed == log.mixed
 
 
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(

@@ -101,9 +101,3 @@ class PrefillPieces:
                 self.o[:n].copy_(attn.run(self.cache.layers[i], q[:n]).reshape(n, -1))
         assert self.h is not None
         return self.model.head(self.h, x)  # x's rows index its own tokens: none of the padding
-
-
-def pieces_size(sizes: list[int], tokens: int) -> int | None:
-    """The padded size a pass of `tokens` new tokens replays: the smallest of `sizes` that
-    holds it; None if none does (it runs eagerly)."""
-    return min((s for s in sizes if s >= tokens), default=None)

@@ -25,7 +25,8 @@ from disagg.hw.batch import BatchMeta, Seq, StepTensors
 from disagg.hw.cache import KVCache
 from disagg.hw.device import on_device
 from disagg.hw.model import ForwardOut, Transformer
-from disagg.hw.pieces import PrefillPieces, pieces_size
+from disagg.hw.pieces import PrefillPieces
+from disagg.settings import pieces_size
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 

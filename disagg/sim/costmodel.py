@@ -42,6 +42,7 @@ from disagg.config import CostConfig, Experiment, GroupConfig, SpecConfig
 from disagg.errors import ConfigError
 from disagg.hardware import GPU
 from disagg.models import ModelSpec, dtype_bytes
+from disagg.settings import pieces_size
 
 QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per tile)
 ACT = 2  # bytes per activation element (bf16)
@@ -263,7 +264,8 @@ class ProfileCost:
     `pass_overhead_s` (default 0): a fixed cost per pass for the serving loop's time between
     passes. `chunk_offsets` ((chunk tokens, s) points, tokens increasing; default none): what a
     serving run's passes with a prompt chunk took on the device beyond this table's cost of
-    them, interpolated over the chunk's tokens and held beyond the ends, added to every pass
+    them, interpolated over the tokens the chunk is costed at (`padded_chunk`) and held beyond
+    the ends, added to every pass
     with a chunk (`disagg validate` measures it: a server's small chunks run longer than the
     profile's, its large ones shorter). `decode_scale` (default 1) multiplies the device time
     of every pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than
@@ -273,7 +275,13 @@ class ProfileCost:
     the smallest batch at or above b whose row filled its graph (the optional column
     graph_batch, which `disagg hw profile` writes; none in a table without it): a pass of 25
     sequences costs what 32's line says, not one between 16 and 32 (`benchmarks/decode_shape.py`,
-    docs/calibration.md). Mixed passes run eagerly and interpolate.
+    docs/calibration.md). Mixed passes run eagerly and interpolate. With `pieces` (the
+    experiment's hw.latency.prefill_graphs, which the profile ran with too), a pass with a prompt
+    chunk whose tokens, decodes' included, fit a piece replays that piece's graphs, padded to its
+    size (disagg.hw.pieces): its chunk costs what the piece holds besides the decodes
+    (`padded_chunk`), at the context that gives it the chunk's own attention pairs (the padding
+    takes no attention), so a chunk of 1,235 tokens costs what the 2,048-token piece does, not a
+    point between the grid's chunks; the table's own rows are read at their padded sizes.
     """
 
     def __init__(
@@ -285,6 +293,7 @@ class ProfileCost:
         chunk_offsets: Sequence[tuple[float, float]] = (),
         decode_scale: float = 1.0,
         graphs: bool = False,
+        pieces: Sequence[int] = (),
     ) -> None:
         import pandas as pd
 
@@ -296,6 +305,15 @@ class ProfileCost:
         if missing:
             raise ConfigError(f"cost profile {path}: missing columns {sorted(missing)}")
         self.decode_qo = decode_qo
+        self.pieces = sorted(pieces)
+        if self.pieces:  # each row with a chunk at the size its pass ran at
+            chunk = df.kind.isin(["prefill", "mixed"])
+            decodes = np.where(df.kind == "mixed", df.batch, 0)
+            padded = [
+                padded_chunk(self.pieces, int(n), int(b) * decode_qo)
+                for n, b in zip(df.tokens, decodes, strict=True)
+            ]
+            df = df.assign(tokens=np.where(chunk, padded, df.tokens))
         self.prefill = df[df.kind == "prefill"].groupby(["context", "tokens"]).duration_s.median()
         # per profiled context: its tokens and their non-decreasing times (read by every pass)
         self._contexts = np.array(sorted({c for c, _ in self.prefill.index}), float)
@@ -449,8 +467,10 @@ class ProfileCost:
 
     def step_time(self, s: StepShape) -> float:
         self.passes += 1
-        n, d = s.prefill_tokens, s.decode_seqs
-        context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0) if n else 0.0  # the chunk's
+        real, d = s.prefill_tokens, s.decode_seqs
+        n = padded_chunk(self.pieces, real, d * self.decode_qo) if real else 0
+        # the chunk's cached context (padded: where the piece has the chunk's attention pairs)
+        context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0) if n else 0.0
         self.extrapolated += (
             n > self.max_prefill_tokens
             or context > self.max_prefill_context
@@ -467,6 +487,14 @@ class ProfileCost:
                 offset += self.mixed_offset(d, n) + self.mixed_context_s * s.decode_context
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
         return t + self.host_s(n > 0, d)
+
+
+def padded_chunk(pieces: Sequence[int], chunk: int, decode_rows: int) -> int:
+    """The tokens a pass's prompt chunk of `chunk` tokens beside `decode_rows` decode tokens
+    is costed at: with `pieces` (hw.latency.prefill_graphs), what the piece the pass is padded
+    to holds besides the decodes; `chunk` where none holds the pass (it runs eagerly)."""
+    size = pieces_size(pieces, chunk + decode_rows)
+    return chunk if size is None else size - decode_rows
 
 
 def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
@@ -502,7 +530,14 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
         scale = c.profile_decode_scale if role == "decode" else 1.0
         graphs = role != "prefill" and group.tp == 1  # as a hw server replays decode passes
         return ProfileCost(
-            path, qo, c.profile_pass_overhead_s, run_host, c.profile_chunk_offsets, scale, graphs
+            path,
+            qo,
+            c.profile_pass_overhead_s,
+            run_host,
+            c.profile_chunk_offsets,
+            scale,
+            graphs,
+            exp.hw.latency.prefill_graphs,
         )
     return RooflineCost(
         exp.model.spec,
