@@ -28,6 +28,7 @@ import pandas as pd
 from disagg.errors import ConfigError
 
 SHARE_BOUNDS = (0.01, 0.99)
+MIN_CHUNK_PASSES = 8
 PREFILL_BOUNDS = (0.01, 1.0)
 Line = Callable[[np.ndarray], np.ndarray]
 
@@ -52,8 +53,10 @@ def decode_line(steps: pd.DataFrame) -> Line:
 
 def chunk_line(steps: pd.DataFrame) -> Line:
     """Seconds per pass with a prompt chunk as a line over its chunk tokens, from those passes
-    of `steps`."""
+    of `steps` without decodes where it has MIN_CHUNK_PASSES of them, else from all."""
     chunks = steps[steps.prefill_tokens > 0]
+    alone = chunks[chunks.decode_seqs == 0]
+    chunks = alone if len(alone) >= MIN_CHUNK_PASSES else chunks
     if len(chunks) < 2:
         raise ConfigError("the run for the chunk pass alone has fewer than two chunk passes")
     per_pass = (chunks.duration_s / chunks.steps).to_numpy(float)

@@ -464,7 +464,8 @@ def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float])
 def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
     """The decode and prefill shares (`WEIGHTS`) of the run in `shared`, its servers on one GPU,
     against the passes of the runs in `alone`, one process on the GPU (`measure_loop`'s
-    colocated runs): their decode passes by batch size, their chunk passes by chunk tokens."""
+    colocated runs): their decode passes by batch size, their chunk passes by chunk tokens
+    (those without decodes where there are enough: `chunk_line`)."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     fitted = shares(
         pd.read_parquet(shared / "steps.parquet"), decode_line(steps), chunk_line(steps)

@@ -11,6 +11,7 @@ from disagg.core.metrics import STEP_COLUMNS, steps_table
 from disagg.errors import ConfigError
 from disagg.share import (
     MIN_ALONE_PASSES,
+    MIN_CHUNK_PASSES,
     chunk_line,
     decode_line,
     decode_scale,
@@ -107,6 +108,20 @@ def test_a_prefill_pass_beside_a_decode_gives_its_slowdown_as_the_prefill_share(
     assert list(overlap_segments(half, decode=False)) == [0]
     with pytest.raises(ConfigError, match="fewer than two chunk passes"):
         chunk_line(one.iloc[:1])
+
+
+def test_a_chunk_pass_alone_is_read_from_the_passes_without_decodes() -> None:
+    """A colocated server's chunk passes mostly carry decodes, whose work a disaggregated
+    prefill server's passes do not: with MIN_CHUNK_PASSES passes of a chunk alone (10 ms +
+    n / 256 ms), the line is theirs, not one through the mixed passes as well (20 ms more
+    each); with fewer, all the chunk passes give it."""
+    alone = [("c", i, 0.010 + n / 256e3, 0, n) for i, n in enumerate(range(256, 2049, 256))]
+    mixed = [("c", 10 + i, 0.030 + n / 256e3, 8, n) for i, n in enumerate(range(256, 2049, 256))]
+    assert len(alone) == MIN_CHUNK_PASSES
+    line = chunk_line(_rows(*alone, *mixed))
+    assert line(np.array([512.0, 2048.0])).tolist() == pytest.approx([0.012, 0.018])
+    few = chunk_line(_rows(*alone[1:], *mixed))
+    assert few(np.array([2048.0]))[0] > 0.018 + 0.005  # the mixed passes pull it up
 
 
 def test_the_fit_says_why_it_cannot_fit() -> None:
