@@ -260,17 +260,16 @@ class ProfileCost:
     chunk, s per sequence), measured on a serving run (`disagg validate` does), replaces those
     medians: a pass then costs its kind's fixed part + per-sequence x its sequences (decodes,
     plus one for a prompt chunk) of host time, which grows with the batch as a server's
-    bookkeeping does. On top of that,
-    `pass_overhead_s` (default 0): a fixed cost per pass for the serving loop's time between
-    passes. `chunk_offsets` ((chunk tokens, s) points, tokens increasing; default none): what a
-    serving run's passes with a prompt chunk took on the device beyond this table's cost of
-    them, interpolated over the tokens the chunk is costed at (`padded_chunk`) and held beyond
-    the ends, added to every pass
-    with a chunk (`disagg validate` measures it: a server's small chunks run longer than the
-    profile's, its large ones shorter). `decode_scale` (default 1) multiplies the device time
-    of every pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than
-    a colocated server's, which the profile matches, on one H200 (`disagg validate` measures
-    it). With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
+    bookkeeping does. On top of that, `pass_overhead_s` (default 0): a fixed cost per pass for
+    the serving loop's time between passes. `chunk_offsets` ((chunk tokens, s) points, tokens
+    increasing; default none): what a serving run's passes with a prompt chunk took on the
+    device beyond this table's cost of them, interpolated over the tokens the chunk is costed at
+    (`padded_chunk`) and held beyond the ends, added to every pass with a chunk
+    (`disagg validate` measures it: a server's small chunks run longer than the profile's,
+    its large ones shorter). `decode_scale` (default 1) multiplies the device time of every
+    pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than a
+    colocated server's, which the profile matches, on one H200 (`disagg validate` measures it).
+    With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
     does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
     the smallest batch at or above b whose row filled its graph (the optional column
     graph_batch, which `disagg hw profile` writes; none in a table without it): a pass of 25
