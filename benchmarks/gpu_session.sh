@@ -30,6 +30,10 @@
 # command line, quotes and all: VALIDATE_ARGS="--set 'hw.latency.prefill_graphs=[256,512]'".
 # Two GPUs, two calls: `bash benchmarks/gpu_session.sh 0 1`, then at once (machine still warm)
 # `PREBUILD=none SKIP_BENCH=1 SKIP_TTFT=1 SKIP_TESTS=1 TPOT=1 bash benchmarks/gpu_session.sh 0 1`.
+# SHARE=1 adds benchmarks/shared_gpu.py --run (SHARE_ARGS: its flags, e.g. '--rate 5.4
+# --requests 64 --variants eager-layerwise,pieces-whole'): the disaggregated twin of
+# experiments/llama8b-h200.toml on one GPU, its prefill eager or in pieces, its KV sent layer
+# by layer or whole, and how its two servers slowed each other (about 4 min for all four).
 # PIECES=1 adds benchmarks/prefill_pieces.py (about 1 min): a pass with a prompt chunk launched
 # op by op against in hw.latency.prefill_graphs' pieces, launch / device / wall by its tokens.
 # PYSPY=1 adds a py-spy sample of a colocated Llama run at the validate's top load (carry
@@ -53,12 +57,13 @@ export PYTHONPATH=/tmp/site:$PWD DISAGG_WEIGHT_CACHE=${DISAGG_WEIGHT_CACHE:-$PWD
 # a *_ARGS variable's words as a shell reads a command line: quotes group a word and go, and
 # nothing is run or globbed (--set 'hw.latency.prefill_graphs=[256,512]' is one flag's value)
 words() { python3 -c 'import shlex, sys; sys.stdout.write("".join(w + "\n" for w in shlex.split(sys.argv[1])))' "$1"; }
-for V in BENCH_ARGS SPREAD_ARGS VALIDATE_ARGS PYSPY_ARGS; do  # a quote left open stops the session
+for V in BENCH_ARGS SPREAD_ARGS VALIDATE_ARGS PYSPY_ARGS SHARE_ARGS; do  # a quote left open stops the session
   words "${!V:-}" >/dev/null 2>&1 || { echo "$V: a quote is not closed: ${!V}" | tee -a "$LOG"; exit 2; }
 done
 mapfile -t BENCH_FLAGS < <(words "${BENCH_ARGS:-}")
 mapfile -t SPREAD_FLAGS < <(words "${SPREAD_ARGS:-}")
 mapfile -t VALIDATE_FLAGS < <(words "${VALIDATE_ARGS:-}")
+mapfile -t SHARE_FLAGS < <(words "${SHARE_ARGS:-}")
 mapfile -t PYSPY_FLAGS < <(words "${PYSPY_ARGS:---set workload.rate_per_s=9.52 --set workload.num_requests=128 --set hw.latency.cores_per_server=2}")
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m >>"$OUT/gpu.txt" 2>&1
@@ -91,6 +96,11 @@ done
 [ -z "${HOP:-}" ] || timeout 300 python3 benchmarks/control_hop.py --prompts 16,2048 --count 60 \
   --latency off --pin off,on --out "$RUNS/hop" 2>&1 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
+[ -z "${SHARE:-}" ] || timeout "${SHARE_TIMEOUT:-400}" python3 benchmarks/shared_gpu.py \
+  --run experiments/llama8b-h200.toml --device "cuda:$D" "${SHARE_FLAGS[@]}" --out "$RUNS/share" \
+  2>&1 | grep -v '^|' | tail -12 | tee -a "$LOG"
+[ -z "${SHARE:-}" ] || { cp "$RUNS"/share/shared_gpu.md "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/share.tgz" -C "$RUNS" share; }
 [ -z "${PIECES:-}" ] || timeout 300 python3 benchmarks/prefill_pieces.py --device "$D" \
   --out "$RUNS/pieces" 2>&1 | tail -16 | tee -a "$LOG"
 cp "$RUNS"/pieces/prefill_pieces.md "$OUT"/ 2>/dev/null

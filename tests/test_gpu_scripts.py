@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -366,3 +367,31 @@ def test_host_pass_times_each_batch_on_its_pages_and_plans_only_on_a_gpu(tmp_pat
     assert list(table.columns) == ["batch", "pages", "host_us", "host_p90_us"]
     assert list(table.batch) == [1, 3] and list(table.pages) == [1, 3]
     assert (table.host_us > 0).all() and (table.host_p90_us >= table.host_us).all()
+
+
+def test_shared_gpu_runs_each_variant_on_one_workload_and_reads_its_passes(
+    tmp_path: Path,
+) -> None:
+    """On the CPU: each variant is the disaggregated twin with its own settings (eager or in
+    pieces, KV layer by layer or whole) on the same arrivals, and the tables read every run.
+    The overlap arithmetic: a 10 ms pass covered 4 ms by one pass and 2 by another is 0.6."""
+    variants = "eager-layerwise,pieces-whole"
+    done = _script("shared_gpu.py", "--run", str(ROOT / "experiments" / "tiny-disagg.toml"),
+                   "--device", "cpu", "--requests", "6", "--rate", "20", "--pages", "256",
+                   "--variants", variants, "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {
+        v: json.loads((tmp_path / v / "experiment.json").read_text()) for v in variants.split(",")
+    }
+    assert [r["cluster"]["mode"] for r in runs.values()] == ["disagg", "disagg"]
+    assert [r["transfer"]["policy"] for r in runs.values()] == ["layerwise", "whole"]
+    assert runs["pieces-whole"]["hw"]["latency"]["prefill_graphs"] == [256, 512, 1024, 2048]
+    assert runs["eager-layerwise"]["hw"]["latency"]["prefill_graphs"] == []
+    arrivals = [pd.read_parquet(tmp_path / v / "requests.parquet").arrival_s for v in runs]
+    pd.testing.assert_series_equal(*arrivals)
+    table = (tmp_path / "shared_gpu.md").read_text()
+    assert all(f"| {v} " in table for v in runs)
+
+    by = pd.DataFrame({"start_s": [0.0, 0.008], "end": [0.004, 0.020]})
+    covered = _module("shared_gpu").covered(np.array([0.0]), np.array([0.010]), by)
+    assert covered.tolist() == pytest.approx([0.6])
