@@ -33,7 +33,8 @@
 # SHARE=1 adds benchmarks/shared_gpu.py --run (SHARE_ARGS: its flags, e.g. '--rate 5.4
 # --requests 64 --variants eager-layerwise,pieces-whole'): the disaggregated twin of
 # experiments/llama8b-h200.toml on one GPU, its prefill eager or in pieces, its KV sent layer
-# by layer or whole, and how its two servers slowed each other (about 4 min for all four).
+# by layer or whole, and how its two servers slowed each other (all four: about 4 min, a guess
+# not yet timed on a GPU).
 # PIECES=1 adds benchmarks/prefill_pieces.py (about 1 min): a pass with a prompt chunk launched
 # op by op against in hw.latency.prefill_graphs' pieces, launch / device / wall by its tokens.
 # PYSPY=1 adds a py-spy sample of a colocated Llama run at the validate's top load (carry
