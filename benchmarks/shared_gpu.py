@@ -12,7 +12,7 @@ workload, into `--out`/VARIANT, and reads those:
     python benchmarks/shared_gpu.py --run experiments/llama8b-h200.toml --device cuda:0 \\
         --rate 5.4 --requests 64 --out runs/shared-gpu
 
-Writes shared_gpu.md under `--out` (else prints it).
+Prints the tables, and writes them to shared_gpu.md under `--out` if given.
 """
 
 from __future__ import annotations
@@ -129,12 +129,10 @@ def main() -> None:
     if not runs:
         raise SystemExit("no runs: give run or validate directories, or --run")
     text = tables(runs)
-    if args.out is None:
-        print(text)
-    else:
+    print(text)
+    if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "shared_gpu.md").write_text(text + "\n")
-        print(text)
 
 
 if __name__ == "__main__":

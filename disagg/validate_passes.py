@@ -110,7 +110,8 @@ def shape_device(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
 
 def costed_chunks(steps: pd.DataFrame, exp: Experiment) -> pd.Series:
     """Per row of `steps` (passes with a prompt chunk), the tokens its chunk is costed at
-    (`ProfileCost.padded_chunk`): with hw.latency.prefill_graphs, what its piece holds."""
+    (`disagg.sim.costmodel.padded_chunk`): with hw.latency.prefill_graphs, what its piece
+    holds besides the pass's decodes."""
     qo, pieces = 1 + exp.spec.draft_tokens, exp.hw.latency.prefill_graphs
     padded = [
         padded_chunk(pieces, int(n), int(d) * qo)

@@ -195,12 +195,12 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
             cached.add(max(n * ((a.prompt_tokens - 1) // n) for a in arrivals))
     top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
-    padded = sorted({*prefill_tokens, *(n for n in pieces if n <= top)})
+    sizes = sorted({*prefill_tokens, *(n for n in pieces if n <= top)})
     decode_batch = log_grid(1, max(batches), points)
     powers = (2**k for k in range(max(batches).bit_length()))
     return Grid(
         # whole prompts past every budget run in passes of their own, up to the longest
-        prefill_tokens=(*padded, *log_grid(top, max(top, *whole), points)[1:]),
+        prefill_tokens=(*sizes, *log_grid(top, max(top, *whole), points)[1:]),
         prefill_context=tuple(sorted(cached)),
         decode_batch=tuple(sorted({*decode_batch, *powers})),
         decode_context=(min(prompts),),

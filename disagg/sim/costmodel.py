@@ -467,7 +467,7 @@ class ProfileCost:
     def step_time(self, s: StepShape) -> float:
         self.passes += 1
         real, d = s.prefill_tokens, s.decode_seqs
-        n = padded_chunk(self.pieces, real, d * self.decode_qo) if real else 0
+        n = padded_chunk(self.pieces, real, d * self.decode_qo) if real and self.pieces else real
         # the chunk's cached context (padded: where the piece has the chunk's attention pairs)
         context = max(s.prefill_attn_pairs / n - (n + 1) / 2, 0.0) if n else 0.0
         self.extrapolated += (
