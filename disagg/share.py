@@ -12,7 +12,10 @@ a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's w
 where every pass of the run began and ended, each pass's work at a share is that pace summed
 over its time. A share is the one at which the passes of its kind that met a pass of the other
 kind (of another node) did as much work as they would alone; that work grows with the share,
-so bisection finds it, the other share held. `shares` fits both, in turns.
+so bisection finds it, the other share held. `shares` fits both, in turns. With a chunk extra
+(`cluster.chunk_extra_s`: a chunk pass beside decodes has that much more work, whatever its
+chunk), the prefill share is 1 and `shares_at_full_pace` gives the decode share and the
+extra the passes show (disagg.validate.fit_extra fits the extra by replays).
 
 The same run also says how fast its decode server runs the passes that met no chunk pass,
 against a colocated server's passes alone (`decode_scale`): the simulator's
@@ -99,10 +102,12 @@ def _bisect(work: Callable[[float], float], want: float, bounds: tuple[float, fl
     return (lo + hi) / 2
 
 
-def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | None], float]:
-    """A fit of one kind's share, decode-only (`decode`) or with a chunk: given the other
-    kind's share (None: 1 - the decode share), the share at which that kind's overlapping
-    passes of `steps` did their work alone."""
+def _overlaps(
+    steps: pd.DataFrame, alone: Line, decode: bool
+) -> tuple[float, int, Callable[[float, float], float]]:
+    """The passes of one kind of `steps`, decode-only (`decode`) or with a chunk, that met a
+    pass of the other kind of another node: their time alone in all, how many they are, and
+    the work they did at decode share a and prefill share b (`work(a, b)`)."""
     if (steps.steps > 1).any():
         raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
     segments = overlap_segments(steps, decode)
@@ -113,16 +118,26 @@ def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | No
     pieces = zip(*segments.values(), strict=True)
     seconds, ndec, nother = (np.concatenate(column) for column in pieces)
 
-    def at(other: float | None) -> float:
-        def work(x: float) -> float:
-            held = 1 - x if other is None else other
-            a, b = (x, held) if decode else (held, x)
-            total = a * ndec + b * nother
-            pace = np.minimum(1.0, (a + b) * (a if decode else b) / total)
-            pace[ndec + nother == 1] = 1.0  # alone: full speed
-            return float((seconds * pace).sum())
+    def work(a: float, b: float) -> float:
+        pace = np.minimum(1.0, (a + b) * (a if decode else b) / (a * ndec + b * nother))
+        pace[ndec + nother == 1] = 1.0  # alone: full speed
+        return float((seconds * pace).sum())
 
-        return _bisect(work, want, SHARE_BOUNDS if decode else PREFILL_BOUNDS)
+    return want, len(segments), work
+
+
+def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | None], float]:
+    """A fit of one kind's share, decode-only (`decode`) or with a chunk: given the other
+    kind's share (None: 1 - the decode share), the share at which that kind's overlapping
+    passes of `steps` did their work alone."""
+    want, _, work = _overlaps(steps, alone, decode)
+
+    def at(other: float | None) -> float:
+        def done(x: float) -> float:
+            held = 1 - x if other is None else other
+            return work(x, held) if decode else work(held, x)
+
+        return _bisect(done, want, SHARE_BOUNDS if decode else PREFILL_BOUNDS)
 
     return at
 
@@ -157,6 +172,18 @@ def shares(
         if moved < 1e-9:
             break
     return a, b
+
+
+def shares_at_full_pace(
+    steps: pd.DataFrame, decode_alone: Line, chunk_alone: Line
+) -> tuple[float, float]:
+    """The decode share and the chunk extra (the cluster's chunk_extra_s) of `steps` where a
+    chunk pass runs at full pace beside the decodes (prefill share 1): the decode share their
+    passes show beside it, and the mean over the chunk passes that met a decode pass of the
+    work they did beyond their time alone, at least 0."""
+    a = _fit(steps, decode_alone, decode=True)(1.0)
+    want, n, work = _overlaps(steps, chunk_alone, decode=False)
+    return a, max((work(a, 1.0) - want) / n, 0.0)
 
 
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak

@@ -66,7 +66,7 @@ from disagg.fidelity import (
     widest_spreads,
     write_report,
 )
-from disagg.share import chunk_line, decode_line, decode_scale, shares
+from disagg.share import chunk_line, decode_line, decode_scale, shares, shares_at_full_pace
 from disagg.validate_passes import (
     chunk_offsets,
     has_shapes,
@@ -433,7 +433,8 @@ def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
 
 
 WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the cluster
-SHARES = (*WEIGHTS, "switch_s")  # share.json's keys: with switch_s, the round robin
+# share.json's keys: the weights, with a chunk extra or not, or the round robin's switch_s
+SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s")
 
 
 def share_run(out: Path, rates: Sequence[float]) -> Path:
@@ -475,9 +476,11 @@ def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
 
 def share_overrides(fitted: Mapping[str, float]) -> list[str]:
     """The replays' overrides of `fitted` shares: with a switch cost, the round robin; else
-    the weights, whatever the run had."""
-    rule = [] if "switch_s" in fitted else ["cluster.switch_s=null"]
-    return [*(f"cluster.{k}={v!r}" for k, v in fitted.items()), *rule]
+    the weights (no chunk extra unless fitted), whatever the run had."""
+    if "switch_s" in fitted:
+        return [f"cluster.{k}={v!r}" for k, v in fitted.items()]
+    weights = {"chunk_extra_s": 0.0} | dict(fitted)
+    return [*(f"cluster.{k}={v!r}" for k, v in weights.items()), "cluster.switch_s=null"]
 
 
 def replay_error(run: Path, overrides: Sequence[str], out: Path) -> float:
@@ -491,39 +494,71 @@ def replay_error(run: Path, overrides: Sequence[str], out: Path) -> float:
 
 
 SWITCH_RANGE_S = (0.0, 0.02)  # where the round robin's switch cost is searched
-SWITCH_STEP_S = 1e-4  # and to what width
+EXTRA_RANGE_S = (0.0, 0.1)  # and the weights' chunk extra
+STEP_S = 1e-4  # and to what width
+
+
+def golden(error: Callable[[float], float], bounds: tuple[float, float]) -> tuple[float, float]:
+    """The x within `bounds` of least `error(x)`, golden-section searched to STEP_S, and that
+    error; the last x tried is that x (a replay it leaves is that x's). The search assumes
+    the error falls to one least and rises beyond it, as the shared-GPU fits' replay errors
+    did on every run tried (docs/calibration.md)."""
+    tried: list[float] = []
+
+    def at(x: float) -> float:
+        tried.append(x)
+        return error(x)
+
+    lo, hi = bounds
+    step = (math.sqrt(5) - 1) / 2
+    c, d = hi - step * (hi - lo), lo + step * (hi - lo)
+    fc, fd = at(c), at(d)
+    while hi - lo > STEP_S:
+        if fc <= fd:
+            hi, d, fd = d, c, fc
+            c = hi - step * (hi - lo)
+            fc = at(c)
+        else:
+            lo, c, fc = c, d, fd
+            d = lo + step * (hi - lo)
+            fd = at(d)
+    best, least = (c, fc) if fc <= fd else (d, fd)
+    if tried[-1] != best:
+        at(best)
+    return best, least
 
 
 def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[float, float]:
     """The round robin's switch cost whose replay of `shared` (the calibration's run on one
-    GPU) on the profile (`on_profile`) is closest to it (`replay_error`), golden-section
-    searched over SWITCH_RANGE_S to SWITCH_STEP_S, and that error; its replay is left in
-    `out`. The search assumes the error falls to one least and rises beyond it, as it did on
-    every run tried (docs/calibration.md)."""
-
-    tried: list[float] = []  # in order: the last one's replay is the one in `out`
+    GPU) on the profile (`on_profile`) is closest to it (`replay_error`), searched over
+    SWITCH_RANGE_S (`golden`), and that error; its replay is left in `out`."""
 
     def error(switch_s: float) -> float:
-        tried.append(switch_s)
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
 
-    lo, hi = SWITCH_RANGE_S
-    step = (math.sqrt(5) - 1) / 2
-    c, d = hi - step * (hi - lo), lo + step * (hi - lo)
-    fc, fd = error(c), error(d)
-    while hi - lo > SWITCH_STEP_S:
-        if fc <= fd:
-            hi, d, fd = d, c, fc
-            c = hi - step * (hi - lo)
-            fc = error(c)
-        else:
-            lo, c, fc = c, d, fd
-            d = lo + step * (hi - lo)
-            fd = error(d)
-    best, least = (c, fc) if fc <= fd else (d, fd)
-    if tried[-1] != best:
-        error(best)  # to leave its replay in `out`
-    return best, least
+    return golden(error, SWITCH_RANGE_S)
+
+
+def fit_extra(
+    shared: Path, alone: Sequence[Path], on_profile: Sequence[str], out: Path
+) -> tuple[dict[str, float], float, float]:
+    """The weights with a chunk extra (cluster.chunk_extra_s) of `shared`, its chunk passes at
+    full pace beside the decodes (prefill share 1): the decode share its passes show
+    (`shares_at_full_pace`, against the passes of `alone` as in `fit_shares`), and the chunk
+    extra whose replay of it on the profile (`on_profile`) is closest to it, searched over
+    EXTRA_RANGE_S (`golden`); that error; and the extra the passes themselves show. Its replay
+    is left in `out`."""
+    steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
+    run = pd.read_parquet(shared / "steps.parquet")
+    a, passes_s = shares_at_full_pace(run, decode_line(steps), chunk_line(steps))
+    weights = {"decode_share": a, "prefill_share": 1.0}
+
+    def error(extra_s: float) -> float:
+        rule = share_overrides(weights | {"chunk_extra_s": extra_s})
+        return replay_error(shared, [*rule, *on_profile], out)
+
+    extra_s, least = golden(error, EXTRA_RANGE_S)
+    return weights | {"chunk_extra_s": extra_s}, least, passes_s
 
 
 def calibration_shares(
@@ -533,19 +568,24 @@ def calibration_shares(
     disaggregated run where it has one, so that a replay after a change to the fit gets the
     change, and written to its share.json; else what share.json holds, if there is one. The
     weights' shares come from the passes (`fit_shares`). Given the replays' profile overrides
-    (`on_profile`), the round robin's switch cost comes from replays of that run (`fit_switch`),
-    and the rule whose replay comes closer to it (`replay_error`) is the one kept; without,
-    the weights."""
+    (`on_profile`), two more rules are fitted with replays of that run: the weights with a
+    chunk extra (`fit_extra`) and the round robin (`fit_switch`); the rule whose replay comes
+    closest to it (`replay_error`) is the one kept. Without, the weights."""
     run, alone = calibration_runs(cal)
     if run is not None and alone:
         fitted = fit_shares(run, alone)
         if on_profile is not None:
             weights = replay_error(run, [*share_overrides(fitted), *on_profile], cal / "weights")
+            extra, beside, passes_s = fit_extra(run, alone, on_profile, cal / "chunk-extra")
             switch_s, turns = fit_switch(run, on_profile, cal / "round-robin")
-            said = f"weights {weights:.3f}, round robin {turns:.3f} (at {switch_s * 1e3:.3g} ms)"
+            at_ms = f"at {extra['chunk_extra_s'] * 1e3:.3g} ms; the passes: {passes_s * 1e3:.3g}"
+            said = (
+                f"weights {weights:.3f}, chunk extra {beside:.3f} ({at_ms}), "
+                f"round robin {turns:.3f} (at {switch_s * 1e3:.3g} ms)"
+            )
             say(f"shared GPU: mean |log sim/hw| on {run.name}: {said}")
-            if turns < weights:
-                fitted = {"switch_s": switch_s}
+            rules = [(weights, fitted), (beside, extra), (turns, {"switch_s": switch_s})]
+            fitted = min(rules, key=lambda rule: rule[0])[1]
         (cal / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
         return fitted
     return read_shares(cal / "share.json") if (cal / "share.json").exists() else {}
@@ -586,7 +626,9 @@ def said_shares(fitted: Mapping[str, float]) -> str:
         return f"round robin, switch cost {fitted['switch_s'] * 1e3:.3g} ms"
     a = fitted["decode_share"]
     b = fitted.get("prefill_share", 1 - a)
-    return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f})"
+    extra = fitted.get("chunk_extra_s", 0.0)
+    beside = f", chunk extra {extra * 1e3:.3g} ms" if extra else ""
+    return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f}){beside}"
 
 
 def validate(

@@ -19,6 +19,7 @@ from disagg.share import (
     overlap_segments,
     prefill_share,
     shares,
+    shares_at_full_pace,
 )
 from disagg.sim.cluster import Sim
 from disagg.validate_plan import other_mode
@@ -108,6 +109,46 @@ def test_a_prefill_pass_beside_a_decode_gives_its_slowdown_as_the_prefill_share(
     assert list(overlap_segments(half, decode=False)) == [0]
     with pytest.raises(ConfigError, match="fewer than two chunk passes"):
         chunk_line(one.iloc[:1])
+
+
+def test_at_full_pace_a_chunk_pass_beside_decodes_costs_its_time_alone_plus_the_extra() -> None:
+    """Hand arithmetic: chunk passes of 1,024 and 2,048 tokens (15 and 30 ms alone) took 65
+    and 80 ms beside a decode server: at full pace, 50 ms more each, whatever the chunk. The
+    decode passes wholly inside them, 6 ms alone, took 15 ms: at decode share a a decode
+    pass's pace beside a chunk pass of share 1 is (a + 1) a / (a + 1) = a = 0.4. A pass that
+    ran faster than alone gives no negative extra."""
+    chunk = chunk_line(_rows(("c", 0.0, 0.015, 0, 1024), ("c", 0.1, 0.030, 0, 2048)))
+    decode = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    run = _rows(
+        ("p", 0.0, 0.065, 0, 1024),
+        ("d", 0.010, 0.015, 1, 0),
+        ("p", 0.100, 0.080, 0, 2048),
+        ("d", 0.120, 0.015, 1, 0),
+    )
+    a, extra = shares_at_full_pace(run, decode, chunk)
+    assert (a, extra) == pytest.approx((0.4, 0.050), rel=1e-9)
+    quick = _rows(("p", 0.0, 0.010, 0, 1024), ("d", 0.002, 0.006, 1, 0))
+    assert shares_at_full_pace(quick, decode, chunk)[1] == 0.0
+
+
+def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:
+    """A disaggregated run simulated on one shared GPU at decode share 0.4, prefill share 1 and
+    a chunk extra of 20 ms gives the share back within 1% and the extra within 10% (a chunk
+    pass that began alone had no extra, and the fit counts each that met a decode pass)."""
+    disagg = other_mode(load_experiment(EXPERIMENTS / "llama8b-h200.toml"))
+    disagg = disagg.updated("workload.duration_s=20")
+    apart = _steps(disagg)
+    shared = _steps(
+        disagg.updated(
+            "cluster.shared_gpu=true",
+            "cluster.decode_share=0.4",
+            "cluster.prefill_share=1.0",
+            "cluster.chunk_extra_s=0.02",
+        )
+    )
+    a, extra = shares_at_full_pace(shared, decode_line(apart), chunk_line(apart))
+    assert a == pytest.approx(0.4, rel=0.01)
+    assert extra == pytest.approx(0.02, rel=0.1)
 
 
 def test_a_chunk_pass_alone_is_read_from_the_passes_without_decodes() -> None:

@@ -334,17 +334,22 @@ def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path:
     ("rule", "settings"),
     [
         ("round robin", ["cluster.switch_s=0.005"]),
-        ("weights", ["cluster.decode_share=0.3", "cluster.prefill_share=0.85"]),
+        # a prefill share well below 1: no fixed extra per chunk pass mimics it
+        ("weights", ["cluster.decode_share=0.3", "cluster.prefill_share=0.6"]),
+        (
+            "chunk extra",
+            ["cluster.decode_share=0.4", "cluster.prefill_share=1.0", "cluster.chunk_extra_s=0.02"],
+        ),
     ],
 )
 def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     tmp_path: Path, rule: str, settings: list[str]
 ) -> None:
-    """A calibration whose shared run was simulated under one rule of the shared GPU has both
-    rules fitted on it and replays it under each: the one it ran under replays it closer, and
-    goes to share.json; the round robin's switch cost is found again within 10% (5 ms: the
-    summary's percentiles move in steps, so costs near it replay it as closely), the weights'
-    shares within 1%."""
+    """A calibration whose shared run was simulated under one rule of the shared GPU has the
+    three rules fitted on it and replays it under each: the one it ran under replays it
+    closest, and goes to share.json; the round robin's switch cost and the chunk extra are
+    found again within 10% (the summary's percentiles move in steps, so costs near them
+    replay it as closely), the shares within 1%."""
     from typer.testing import CliRunner
 
     from disagg.cli import app
@@ -363,17 +368,22 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     said: list[str] = []
     fitted = calibration_shares(cal, [], said.append)
     assert said[0].startswith("shared GPU: mean |log sim/hw| on disagg-20rps: weights ")
-    errors = dict(re.findall(r"(weights|round robin) ([0-9.]+)", said[0]))
+    errors = dict(re.findall(r"(weights|chunk extra|round robin) ([0-9.]+)", said[0]))
+    assert len(errors) == 3
     assert min(errors, key=lambda r: float(errors[r])) == rule
     if rule == "round robin":
         assert list(fitted) == ["switch_s"]
         assert fitted["switch_s"] == pytest.approx(0.005, rel=0.1)
         assert float(errors["round robin"]) < 0.005
+    elif rule == "weights":
+        assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
-        assert list(fitted.values()) == pytest.approx([0.3, 0.85], rel=0.01)
+        assert list(fitted) == ["decode_share", "prefill_share", "chunk_extra_s"]
+        assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
+        assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
     assert json.loads((cal / "share.json").read_text()) == fitted
-    assert (cal / "round-robin" / "summary.json").exists()
-    assert (cal / "weights" / "summary.json").exists()
+    for rule_dir in ("weights", "chunk-extra", "round-robin"):
+        assert (cal / rule_dir / "summary.json").exists()
 
 
 def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:

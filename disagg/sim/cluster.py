@@ -472,7 +472,12 @@ class Sim:
         c = exp.cluster
         self.gpu = (
             SharedGPU(
-                self.env, c.decode_share, c.prefill_share, c.switch_s, exp.cost.profile_host_before
+                self.env,
+                c.decode_share,
+                c.prefill_share,
+                c.switch_s,
+                exp.cost.profile_host_before,
+                c.chunk_extra_s,
             )
             if c.shared_gpu
             else None

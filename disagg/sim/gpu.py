@@ -12,7 +12,11 @@ than alone. Two rules say how much; a pass alone always runs at full speed.
   prompt chunk `cluster.prefill_share`, and each advances at its weight's part of the GPU's
   capacity, the two weights' sum, at most at full speed (`pace`). Unset, prefill_share is
   1 - decode_share, so the capacity is 1 and the GPU's work is conserved; above that, passes
-  beside each other do more than one GPU's work alone would."""
+  beside each other do more than one GPU's work alone would. A pass with a prompt chunk that
+  starts beside another pass also has `cluster.chunk_extra_s` more work to do, whatever its
+  chunk: on one H100, a prefill pass beside a decode server took its time alone at nearly full
+  pace plus about 50 ms, 256 tokens or 2,048, eager or in pieces, its KV sent layer by layer
+  or whole (docs/calibration.md)."""
 
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class SharedGPU:
         prefill_share: float | None = None,
         switch_s: float | None = None,
         host_before: float = 1.0,
+        chunk_extra_s: float = 0.0,
     ) -> None:
         self.env = env
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
@@ -53,6 +58,7 @@ class SharedGPU:
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.host_before = host_before  # the part of a pass's host time before its device time
+        self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
@@ -70,9 +76,15 @@ class SharedGPU:
             return round_robin(weight, total, passes, self.switch_s)
         return pace(weight, total, self.capacity)
 
+    def work_s(self, seconds: float, decode_only: bool) -> float:
+        """The work of a pass of `seconds` alone started now: with a prompt chunk beside
+        another pass, `chunk_extra_s` more."""
+        return seconds + (self.chunk_extra_s if self.running and not decode_only else 0.0)
+
     def expected_s(self, seconds: float, decode_only: bool) -> float:
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
+        seconds = self.work_s(seconds, decode_only)
         w = self.weight(seconds, decode_only)
         total = w + sum(p[1] for p in self.running.values())
         return seconds / self.pace(w, total, len(self.running) + 1)
@@ -87,7 +99,8 @@ class SharedGPU:
             yield host_s * before
         self._advance()
         done, t0 = env.event(), env._now
-        self.running[done] = [seconds, self.weight(seconds, decode_only)]
+        work = self.work_s(seconds, decode_only)
+        self.running[done] = [work, self.weight(work, decode_only)]
         self._schedule()
         yield done
         if env._now - t0 > seconds * (1 + 1e-9):
