@@ -32,6 +32,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_o
         "shared_gpu": False,
         "decode_share": 0.5,
         "prefill_share": None,
+        "chunk_extra_s": 0.0,
         "switch_s": None,
     }
     assert Experiment().cluster.router == LeastLoadedConfig()
