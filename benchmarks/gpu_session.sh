@@ -99,7 +99,7 @@ done
 cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
 [ -z "${SHARE:-}" ] || timeout "${SHARE_TIMEOUT:-400}" python3 benchmarks/shared_gpu.py \
   --run experiments/llama8b-h200.toml --device "cuda:$D" "${SHARE_FLAGS[@]}" --out "$RUNS/share" \
-  2>&1 | grep -v '^|' | tail -12 | tee -a "$LOG"
+  2>&1 | grep -v -e '^|' -e CudaIPCTypes | tail -12 | tee -a "$LOG"  # each variant's TTFT line
 [ -z "${SHARE:-}" ] || { cp "$RUNS"/share/shared_gpu.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/share.tgz" -C "$RUNS" share; }
 [ -z "${PIECES:-}" ] || timeout 300 python3 benchmarks/prefill_pieces.py --device "$D" \

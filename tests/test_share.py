@@ -135,8 +135,9 @@ def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:
     """A disaggregated run simulated on one shared GPU at decode share 0.4, prefill share 1 and
     a chunk extra of 20 ms gives the share back within 1% and the extra within 10% (a chunk
     pass that began alone had no extra, and the fit counts each that met a decode pass)."""
-    disagg = other_mode(load_experiment(EXPERIMENTS / "llama8b-h200.toml"))
-    disagg = disagg.updated("workload.duration_s=20")
+    disagg = other_mode(
+        load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
+    )
     apart = _steps(disagg)
     shared = _steps(
         disagg.updated(
