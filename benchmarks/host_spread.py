@@ -34,6 +34,7 @@ import pandas as pd
 from disagg.config import Experiment, load_experiment
 from disagg.hw.driver import hw_experiment, run_hw
 from disagg.validate import Options, loop_costs, measure_profile
+from disagg.validate_passes import pass_gaps
 
 FITTED = ("host_s", "host_per_seq_s", "host_chunk_s")  # loop_costs' decode fit, in seconds
 
@@ -81,7 +82,7 @@ def one_run(exp: Experiment, where: Path, at_batch: int) -> dict[str, object]:
         **{key: costs.get(f"profile_{key}", float("nan")) for key in FITTED},
         f"host_b{at_batch}_s": host_at(steps, at_batch),
         "chunk_launch_s": chunk_launch(steps),
-        "pass_gap_s": costs["profile_pass_overhead_s"],
+        "pass_gap_s": float(pass_gaps(steps).median()),
         "tpot_p50_s": summary["tpot_s_p50"],
         "pinned": " ".join(f"{node}:{s['cores']}" for node, s in summary["node_settings"].items()),
         "driver": summary["driver_cores"],

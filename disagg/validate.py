@@ -68,8 +68,10 @@ from disagg.fidelity import (
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares, shares_at_full_pace
 from disagg.validate_passes import (
+    BUSY_GAP_S,
     chunk_offsets,
     has_shapes,
+    pass_gaps,
     pass_offsets,
     pass_report,
     pass_table,
@@ -298,50 +300,55 @@ def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
     )
 
 
-def pass_gaps(steps: pd.DataFrame) -> pd.Series:
-    """Per node, the time from each pass's end to the next pass's start (s)."""
-    gaps = []
-    for _, passes in steps.sort_values("start_s").groupby("node", sort=True):
-        ends = passes.start_s + passes.duration_s
-        gaps.append(passes.start_s.shift(-1) - ends)
-    return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
+def busy_passes(steps: pd.DataFrame) -> pd.DataFrame:
+    """`steps`' passes with device times that their node's loop followed at once, each with
+    the gap until its next pass (`gap_s`, at most BUSY_GAP_S)."""
+    if "device_s" not in steps:
+        return steps.iloc[:0].assign(gap_s=0.0)
+    passes = steps.assign(gap_s=pass_gaps(steps))
+    return passes[passes.device_s.notna() & (passes.gap_s <= BUSY_GAP_S)]
 
 
 def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
-    all `runs` (their steps tables): the median gap between passes (`profile_pass_overhead_s`)
-    and, where passes have device times (a GPU), their host time (wall less device): a
-    least-squares line over the decode passes' batch sizes gives the fixed part of a decode
-    pass and the part per sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a
-    prompt chunk has its own fixed part, the median of its host time less the per-sequence part
+    all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop time
+    is its wall time less its device time, plus the gap until its node's next pass while the
+    loop had work (at most BUSY_GAP_S): the loop's work between passes (arrivals, tokens out)
+    grows with the batch and the load, as its host time does. A least-squares line of it over
+    the decode passes' batch sizes gives the fixed part of a decode pass and the part per
+    sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a prompt chunk has its
+    own fixed part, the median of its loop time less the per-sequence part
     (`profile_host_chunk_s`); and where the runs say when each forward was launched, the median
-    part of a pass's host time before it (`host_before_s`: `profile_host_before`)."""
+    part of a pass's loop time before it (`host_before_s`: `profile_host_before`). Without
+    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`)."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
-    steps = pd.concat(runs, ignore_index=True)
-    costs: dict[str, Any] = {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
-    timed = steps[steps.device_s.notna()] if "device_s" in steps else steps.iloc[:0]
-    host = timed.duration_s - timed.device_s
+    timed = pd.concat(map(busy_passes, runs), ignore_index=True)
     decode = timed.prefill_tokens == 0
-    if decode.sum() < 2:
-        return costs  # no device times (the CPU), or too few passes to fit
-    seqs, dhost = timed.batch_size[decode].to_numpy(float), host[decode].to_numpy(float)
-    per_seq, fixed = np.polyfit(seqs, dhost, 1) if np.ptp(seqs) > 0 else (0.0, dhost.mean())
+    if decode.sum() < 2:  # no device times (the CPU), or too few passes to fit
+        return {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
+    loop = timed.duration_s - timed.device_s + timed.gap_s
+    seqs, dloop = timed.batch_size[decode].to_numpy(float), loop[decode].to_numpy(float)
+    per_seq, fixed = np.polyfit(seqs, dloop, 1) if np.ptp(seqs) > 0 else (0.0, dloop.mean())
     if per_seq < 0:  # no growth with the batch: a constant
-        per_seq, fixed = 0.0, float(np.median(dhost))
-    chunk = host[~decode] - per_seq * timed.batch_size[~decode]
-    costs["profile_host_s"] = max(0.0, float(fixed))
-    costs["profile_host_chunk_s"] = max(0.0, float(chunk.median())) if len(chunk) else fixed
-    costs["profile_host_per_seq_s"] = float(per_seq)
+        per_seq, fixed = 0.0, float(np.median(dloop))
+    chunk = loop[~decode] - per_seq * timed.batch_size[~decode]
+    costs: dict[str, Any] = {
+        "profile_pass_overhead_s": 0.0,  # in the loop time
+        "profile_host_s": max(0.0, float(fixed)),
+        "profile_host_chunk_s": max(0.0, float(chunk.median())) if len(chunk) else fixed,
+        "profile_host_per_seq_s": float(per_seq),
+    }
     if "host_before_s" in timed:  # runs that say when each forward was launched
-        split = (timed.host_before_s / host)[timed.host_before_s.notna() & (host > 0)]
+        split = (timed.host_before_s / loop)[timed.host_before_s.notna() & (loop > 0)]
         if len(split):
             costs["profile_host_before"] = float(split.clip(0.0, 1.0).median())
     return costs
 
 
 HOST_KEYS = (
+    "profile_pass_overhead_s",
     "profile_host_s",
     "profile_host_chunk_s",
     "profile_host_per_seq_s",
@@ -354,6 +361,8 @@ def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     fields), for a replay that tells the host time's part of a cell's error from the rest;
     empty where the passes have no device times (the CPU)."""
     costs = loop_costs([pd.read_parquet(run / "steps.parquet") for run in runs])
+    if "profile_host_s" not in costs:  # no device times: no host time either
+        return {}
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
 
 
@@ -766,9 +775,10 @@ def replay_all(
     say: Callable[[str], None] = print,
 ) -> Report:
     """Stages 3 and 4 over a validate directory's hw runs (`out/hw`, in `runs.json`'s order),
-    its profile and its loop calibration, with the chunk offsets (what the simulator leaves
-    out of a chunk pass) fitted on its colocated runs: `disagg validate --replay` redoes them
-    after a change to the simulator, without the device."""
+    its profile and its loop calibration, with the loop's costs (`loop_costs`) and the chunk
+    offsets (what the simulator leaves out of a chunk pass) fitted anew on the calibration's
+    colocated runs: `disagg validate --replay` redoes them after a change to the simulator or
+    the fits, without the device."""
     hw = out / "hw"
     order = out / "runs.json"
     labels = (
@@ -780,7 +790,9 @@ def replay_all(
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
     _, alone = calibration_runs(out / "calibration")
-    if costs and alone:  # the chunk offsets are the simulator's to fit, as it is now
+    if costs and alone:  # the loop's costs and chunk offsets are the simulator's to fit, anew
+        costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in alone])
+        say(f"serving loop, on its runs: {described(costs)}")
         costs = fit_chunk_offsets(alone, csv, costs, sim_overrides)
         if "profile_chunk_offsets" in costs:
             offsets = {"profile_chunk_offsets": costs["profile_chunk_offsets"]}

@@ -1,7 +1,8 @@
 """A hw run's passes against the cost model, for `disagg validate`: the run's passes and its
 replay's side by side by size (`pass_table`, `pass_report`), each pass at its own shape by the
-profile (`shape_device`), and what passes with a prompt chunk take beyond it
-(`pass_offsets`; `chunk_offsets` for steps tables from before the shape columns). No torch.
+profile (`shape_device`), what passes with a prompt chunk take beyond it (`pass_offsets`;
+`chunk_offsets` for steps tables from before the shape columns), and each pass's loop time
+(`loop_s`). No torch.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from disagg.sim.costmodel import CostModel, StepShape, make_cost_model, padded_c
 
 SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
+BUSY_GAP_S = 2e-3  # a longer gap between two passes of a node is its loop waiting for work
 PASS_COLUMNS = [
     *("kind", "size", "hw_n", "sim_n"),
-    *("hw_device_s", "sim_device_s", "hw_host_s", "sim_host_s", "shape_device_s"),
+    *("hw_device_s", "sim_device_s", "hw_loop_s", "sim_loop_s", "shape_device_s"),
     "hw_before_s",
 ]
 
@@ -41,15 +43,35 @@ def _within(values: pd.Series, lo: float, hi: float, last: bool) -> pd.Series:
     return (values >= lo) & ((values <= hi) if last else (values < hi))
 
 
+def pass_gaps(steps: pd.DataFrame) -> pd.Series:
+    """Per node, the time from each pass's end to the next pass's start (s), on the index of
+    the pass it follows (a node's last pass has none)."""
+    gaps = []
+    for _, passes in steps.sort_values("start_s").groupby("node", sort=True):
+        ends = passes.start_s + passes.duration_s
+        gaps.append(passes.start_s.shift(-1) - ends)
+    return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
+
+
+def loop_s(steps: pd.DataFrame) -> pd.Series:
+    """Per row of `steps`, its loop time: wall less device time, plus the gap until its
+    node's next pass where that is at most BUSY_GAP_S (else the loop waited for work, or
+    the row is its node's last, and none is added)."""
+    gaps = pass_gaps(steps).reindex(steps.index)
+    busy = gaps.where(gaps <= BUSY_GAP_S, 0.0).fillna(0.0)
+    return steps.duration_s - steps.device_s + busy
+
+
 def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:
     """A run's passes against its replay's, where they have device times: those with a prompt
     chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
     in ranges of batch size (the run's quantiles); per range the run's median size, each
-    side's passes and their median device and host (duration less device) seconds per pass
+    side's passes and their median device and loop (`loop_s`) seconds per pass
     (a steps row of several passes counts as that many), and the medians of the run's
     `shape_device_s` (`shape_device`) and `host_before_s` (NaN where `hw` has none). Columns
     PASS_COLUMNS; no rows without device times (the CPU)."""
     rows = []
+    hw, sim = (t.assign(loop_s=loop_s(t)) for t in (hw, sim))
     for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
         h, r = (
             t[((t.prefill_tokens > 0) == (kind == "chunk")) & t.device_s.notna()] for t in (hw, sim)
@@ -126,10 +148,11 @@ def _steps(rows: pd.DataFrame) -> np.ndarray:
 
 
 def _per_pass(rows: pd.DataFrame) -> tuple[float, float, int]:
-    """(median device s, median host s, passes) over the passes of steps rows."""
+    """(median device s, median loop s, passes) over the passes of steps rows (`loop_s`
+    in a column of its own)."""
     n = _steps(rows)
     device = rows.device_s.to_numpy(float) / n
-    host = (rows.duration_s.to_numpy(float) - rows.device_s.to_numpy(float)) / n
+    host = rows.loop_s.to_numpy(float) / n
     return (
         float(np.median(np.repeat(device, n))),
         float(np.median(np.repeat(host, n))),
@@ -188,15 +211,16 @@ def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
         "# Passes: device time, hw against the profile replay",
         "",
         "Median device time of the passes in each range (ms); size: median chunk tokens (chunk)",
-        "or batch (decode); host: duration less device (ms). No rows: no device times.",
+        "or batch (decode); loop: duration less device, plus the gap to the next pass while busy",
+        "(ms). No rows: no device times.",
         "At its shape: the profile's device time for each of the run's passes at its own shape,",
         "alone on its node (the median; beside another node's pass on one GPU a pass takes",
         "longer), so shape/hw is the device model's error on the very passes the run ran;",
-        "- for a run whose steps table has no shape columns. Host hw (before): of it, the median",
+        "- for a run whose steps table has no shape columns. Loop hw (before): of it, the median",
         "time before the host began to launch the pass's forward (batch, plan, inputs).",
         "",
         "| run | kind | size | passes hw / sim | device hw | device sim | sim/hw | at its shape "
-        "| shape/hw | host hw (before) | host sim |",
+        "| shape/hw | loop hw (before) | loop sim |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in table.to_dict("records"):
@@ -208,7 +232,7 @@ def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:
         lines.append(
             f"| {row['run']} | {row['kind']} | {float(row['size']):g} | "
             f"{row['hw_n']} / {row['sim_n']} | {hw_s * 1e3:.2f} | {sim_s * 1e3:.2f} | "
-            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_host_s']) * 1e3:.2f}{before} | "
-            f"{float(row['sim_host_s']) * 1e3:.2f} |"
+            f"{sim_s / hw_s:.3f} | {at_shape} | {float(row['hw_loop_s']) * 1e3:.2f}{before} | "
+            f"{float(row['sim_loop_s']) * 1e3:.2f} |"
         )
     (out / "passes.md").write_text("\n".join(lines) + "\n")

@@ -34,11 +34,12 @@ from disagg.fidelity import (
     spread_table,
     widest_spreads,
 )
-from disagg.validate import calibration_run, loop_costs, own_host, pass_gaps, start_parts
+from disagg.validate import calibration_run, loop_costs, own_host, start_parts
 from disagg.validate_passes import (
     PASS_COLUMNS,
     chunk_offsets,
     has_shapes,
+    pass_gaps,
     pass_offsets,
     pass_table,
     shape_device,
@@ -419,19 +420,21 @@ def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     assert sorted(pass_gaps(steps)) == [0.125, 0.25, 1.25]
 
 
-def test_loop_costs_fit_host_time_per_pass_by_hand(tmp_path: Path) -> None:
+def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: Path) -> None:
     """Decode passes: host 1 ms + 0.1 ms per sequence; chunk passes: 3 ms + 0.1 per sequence;
-    gaps between passes 0.5 ms (one of 2 ms). `own_host` fits the same on runs' directories,
-    the host fields only, and nothing where passes have no device times (the CPU)."""
-    batch = [1, 2, 4, 8, 3]
-    prefill = [0, 0, 0, 0, 500]
-    host = [
-        1e-3 + 1e-4 * b if p == 0 else 3e-3 + 1e-4 * b for b, p in zip(batch, prefill, strict=True)
-    ]
-    device = [0.01, 0.02, 0.03, 0.04, 0.05]
+    the gap to the next pass 0.4 ms + 0.01 ms per sequence, but 5 ms once (the loop waited for
+    work). Loop time, the host's and the gap's: 1.4 ms + 0.11 ms per sequence a decode pass,
+    3.4 ms + 0.11 per sequence a chunk pass. `own_host` fits the same on runs' directories;
+    without device times (the CPU) the median gap is the only cost."""
+    batch = [1, 2, 4, 8, 3, 2, 5]
+    prefill = [0, 0, 0, 0, 500, 0, 0]
+    host = [(3e-3 if p else 1e-3) + 1e-4 * b for b, p in zip(batch, prefill, strict=True)]
+    gaps = [4e-4 + 1e-5 * b for b in batch]
+    gaps[2] = 5e-3  # idle: beyond BUSY_GAP_S, its pass is not fitted
+    device = [0.01, 0.02, 0.03, 0.04, 0.05, 0.02, 0.03]
     duration = [d + h for d, h in zip(device, host, strict=True)]
     start, starts = 0.0, []
-    for d, gap in zip(duration, [5e-4, 5e-4, 2e-3, 5e-4, 0.0], strict=True):
+    for d, gap in zip(duration, gaps, strict=True):
         starts.append(start)
         start += d + gap
     steps = pd.DataFrame(
@@ -444,31 +447,30 @@ def test_loop_costs_fit_host_time_per_pass_by_hand(tmp_path: Path) -> None:
             "prefill_tokens": prefill,
         }
     )
-    # two runs, each on its own clock from 0 (the 2 ms gap lay between them): gaps per run
-    second = steps.iloc[3:].assign(start_s=lambda d: d.start_s - d.start_s.iloc[0])
-    costs = loop_costs([steps.iloc[:3], second])
+    # two runs, each on its own clock from 0: no gap between them (the first one's last pass,
+    # of batch 8, has no next pass and is not fitted either)
+    first, second = steps.iloc[:4], steps.iloc[4:].assign(start_s=lambda d: d.start_s - 1.0)
+    costs = loop_costs([first, second])
     assert costs == {
-        "profile_pass_overhead_s": pytest.approx(5e-4),
-        "profile_host_s": pytest.approx(1e-3),
-        "profile_host_chunk_s": pytest.approx(3e-3),
-        "profile_host_per_seq_s": pytest.approx(1e-4),
+        "profile_pass_overhead_s": 0.0,
+        "profile_host_s": pytest.approx(1.4e-3),
+        "profile_host_chunk_s": pytest.approx(3.4e-3),
+        "profile_host_per_seq_s": pytest.approx(1.1e-4),
     }
-    assert loop_costs([steps.assign(device_s=math.nan)]) == {
-        "profile_pass_overhead_s": pytest.approx(5e-4)
-    }
+    cpu = steps.assign(device_s=math.nan)
+    # the median of the six gaps: 0.41, 0.42, 0.42, 0.43, 0.48 and 5 ms
+    assert loop_costs([cpu]) == {"profile_pass_overhead_s": pytest.approx(4.25e-4)}
     dirs = [tmp_path / "run", tmp_path / "run-2", tmp_path / "cpu"]
-    tables = [steps.iloc[:3], second, steps.assign(device_s=math.nan)]
-    for where, table in zip(dirs, tables, strict=True):
+    for where, table in zip(dirs, [first, second, cpu], strict=True):
         where.mkdir()
         table.to_parquet(where / "steps.parquet")
-    host = {k: v for k, v in costs.items() if k != "profile_pass_overhead_s"}
-    assert own_host(dirs[:2]) == host
+    assert own_host(dirs[:2]) == costs
     assert own_host(dirs[2:]) == {}
-    # runs that say when each forward was launched: the median part of the host time before
-    # it (0.2, 0.25, 0.5, 0.6 and 0.9 of the five passes' host time; NaN: not measured)
-    share = [0.2, 0.25, 0.5, 0.6, 0.9]
-    before = [(t - d) * x for t, d, x in zip(duration, device, share, strict=True)]
-    timed = steps.assign(host_before_s=before)
+    # runs that say when each forward was launched: the median part of the loop time before
+    # it (0.2, 0.25, 0.5, 0.6 and 0.9 of the fitted passes' loop time; NaN: not measured)
+    loop = [t - d + g for t, d, g in zip(duration, device, gaps, strict=True)]
+    share = [0.2, 0.25, 0.9, 0.9, 0.5, 0.6, 0.9]  # the third and last passes are not fitted
+    timed = steps.assign(host_before_s=[x * t for x, t in zip(share, loop, strict=True)])
     assert loop_costs([timed])["profile_host_before"] == pytest.approx(0.5)
     assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
 
@@ -476,27 +478,36 @@ def test_loop_costs_fit_host_time_per_pass_by_hand(tmp_path: Path) -> None:
 def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay() -> None:
     """Eight chunk passes of 100-800 tokens in four ranges of two: the run's device time is the
     replay's + 10 ms in the smallest range, + 5 / 0 / -3 ms in the others (the replay's passes
-    of a range need not be the run's); host time 2 ms on the run, 1 on the replay. Two decode
-    passes of batch 4 and one of batch 8: ranges of one batch size each."""
+    of a range need not be the run's); host time 2 ms on the run, 1 on the replay, and on the
+    run a gap of 0.5 ms to the next pass (loop time 2.5 ms), but 10 ms after its second decode
+    pass (the loop waited: 2 ms) and none after its last. Two decode passes of batch 4 and
+    one of batch 8: ranges of one batch size each."""
     tokens = [100, 200, 300, 400, 500, 600, 700, 800]
     beyond = [0.01, 0.01, 0.005, 0.005, 0.0, 0.0, -0.003, -0.003]
     replayed = [0.02 + 1e-5 * n for n in tokens]
     device = [r + b for r, b in zip(replayed, beyond, strict=True)] + [0.006, 0.007, 0.009]
+    duration = [d + 0.002 for d in device]
+    gaps = [5e-4] * 9 + [0.01, 0.0]
     hw = pd.DataFrame(
         {
+            "node": "colocated0",
+            "start_s": np.cumsum([0.0, *(d + g for d, g in zip(duration, gaps, strict=True))])[:-1],
             "prefill_tokens": [*tokens, 0, 0, 0],
             "batch_size": [1] * 8 + [4, 4, 8],
             "device_s": device,
-            "duration_s": [d + 0.002 for d in device],
+            "duration_s": duration,
         }
     )
     sim_device = [*replayed[::-1], 0.0065, 0.0085]
+    sim_duration = [d + 0.001 for d in sim_device]
     sim = pd.DataFrame(
         {
+            "node": "colocated0",
+            "start_s": np.cumsum([0.0, *sim_duration])[:-1],
             "prefill_tokens": [*tokens[::-1], 0, 0],
             "batch_size": [1] * 8 + [4, 8],
             "device_s": sim_device,
-            "duration_s": [d + 0.001 for d in sim_device],
+            "duration_s": sim_duration,
         }
     )
     t = pass_table(hw, sim)
@@ -506,10 +517,11 @@ def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay(
     assert list(chunk["size"]) == [150, 350, 550, 750]
     assert list(chunk.hw_n) == list(chunk.sim_n) == [2, 2, 2, 2]
     assert list(chunk.hw_device_s - chunk.sim_device_s) == pytest.approx([0.01, 0.005, 0, -0.003])
-    assert list(chunk.hw_host_s) == pytest.approx([0.002] * 4)
-    assert list(chunk.sim_host_s) == pytest.approx([0.001] * 4)
+    assert list(chunk.hw_loop_s) == pytest.approx([0.0025] * 4)
+    assert list(chunk.sim_loop_s) == pytest.approx([0.001] * 4)
     # batch quantiles 4, 4, 4, 6, 8: ranges [4, 6) and [6, 8]
     assert list(decode["size"]) == [4, 8] and list(decode.hw_n) == [2, 1]
+    assert list(decode.hw_loop_s) == pytest.approx([0.00225, 0.002])
     assert list(decode.hw_device_s) == pytest.approx([0.0065, 0.009])
     assert list(decode.sim_device_s) == pytest.approx([0.0065, 0.0085])
     assert chunk_offsets(hw, sim) == [
