@@ -66,12 +66,13 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
     """A run's passes against its replay's, where they have device times: those with a prompt
     chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
     in ranges of batch size (the run's quantiles); per range the run's median size, each
-    side's passes and their median device and loop (`loop_s`) seconds per pass
+    side's passes and their median device and loop seconds per pass (`loop_s`, unless a
+    table has that column: one of several runs' passes must, its nodes' clocks not one)
     (a steps row of several passes counts as that many), and the medians of the run's
     `shape_device_s` (`shape_device`) and `host_before_s` (NaN where `hw` has none). Columns
     PASS_COLUMNS; no rows without device times (the CPU)."""
     rows = []
-    hw, sim = (t.assign(loop_s=loop_s(t)) for t in (hw, sim))
+    hw, sim = (t if "loop_s" in t else t.assign(loop_s=loop_s(t)) for t in (hw, sim))
     for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
         h, r = (
             t[((t.prefill_tokens > 0) == (kind == "chunk")) & t.device_s.notna()] for t in (hw, sim)
@@ -165,7 +166,7 @@ def chunk_offsets(hw: pd.DataFrame, sim: pd.DataFrame) -> list[list[float]]:
     replays' on the profile (`sim`): per range of chunk tokens of `pass_table`, its median
     tokens and the runs' median device time less the replays'. [] without device times (the
     CPU). For runs whose steps tables predate the passes' shapes (`pass_offsets`)."""
-    t = pass_table(hw, sim)
+    t = pass_table(hw.assign(loop_s=math.nan), sim.assign(loop_s=math.nan))  # device alone
     t = t[t.kind == "chunk"]
     return [[n, h - r] for n, h, r in zip(t["size"], t.hw_device_s, t.sim_device_s, strict=True)]
 

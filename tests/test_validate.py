@@ -530,6 +530,8 @@ def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay(
         [550, pytest.approx(0.0)],
         [750, pytest.approx(-0.003)],
     ]
+    # two runs' tables one after the other (each on its own clock, the index of each): the same
+    assert chunk_offsets(pd.concat([hw, hw]), pd.concat([sim, sim])) == chunk_offsets(hw, sim)
     assert chunk_offsets(hw.assign(device_s=math.nan), sim) == []  # the CPU: no device times
     assert pass_table(hw.assign(device_s=math.nan), sim).empty
 
