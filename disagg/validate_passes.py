@@ -83,7 +83,7 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
             a, b = (t[_within(t[size], lo, hi, last)] for t in (h, r))
             if a.empty or b.empty:
                 continue
-            (ad, ah, an), (bd, bh, bn) = _per_pass(a), _per_pass(b)
+            (ad, al, an), (bd, bl, bn) = _per_pass(a), _per_pass(b)
             shaped = a.shape_device_s.median() if "shape_device_s" in a else math.nan
             before = a.host_before_s.median() if "host_before_s" in a else math.nan
             rows.append(
@@ -94,8 +94,8 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
                     bn,
                     ad,
                     bd,
-                    ah,
-                    bh,
+                    al,
+                    bl,
                     float(shaped),
                     float(before),
                 )
@@ -153,10 +153,10 @@ def _per_pass(rows: pd.DataFrame) -> tuple[float, float, int]:
     in a column of its own)."""
     n = _steps(rows)
     device = rows.device_s.to_numpy(float) / n
-    host = rows.loop_s.to_numpy(float) / n
+    loop = rows.loop_s.to_numpy(float) / n
     return (
         float(np.median(np.repeat(device, n))),
-        float(np.median(np.repeat(host, n))),
+        float(np.median(np.repeat(loop, n))),
         int(n.sum()),
     )
 
