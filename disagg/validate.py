@@ -68,9 +68,9 @@ from disagg.fidelity import (
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares, shares_at_full_pace
 from disagg.validate_passes import (
-    BUSY_GAP_S,
     chunk_offsets,
     has_shapes,
+    loop_s,
     pass_gaps,
     pass_offsets,
     pass_report,
@@ -302,19 +302,19 @@ def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
 
 def busy_passes(steps: pd.DataFrame) -> pd.DataFrame:
     """`steps`' passes with device times that their node's loop followed at once, each with
-    the gap until its next pass (`gap_s`, at most BUSY_GAP_S)."""
+    its loop time (`loop_s`)."""
     if "device_s" not in steps:
-        return steps.iloc[:0].assign(gap_s=0.0)
-    passes = steps.assign(gap_s=pass_gaps(steps))
-    return passes[passes.device_s.notna() & (passes.gap_s <= BUSY_GAP_S)]
+        return steps.iloc[:0].assign(loop_s=0.0)
+    return steps.assign(loop_s=loop_s(steps, waited=math.nan)).dropna(subset=["loop_s"])
 
 
 def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
     all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop time
     is its wall time less its device time, plus the gap until its node's next pass while the
-    loop had work (at most BUSY_GAP_S): the loop's work between passes (arrivals, tokens out)
-    grows with the batch and the load, as its host time does. A least-squares line of it over
+    loop had work (`loop_s`; a pass after which it waited is left out): the loop's work
+    between passes (arrivals, tokens out) grows with the batch and the load, as its host time
+    does. A least-squares line of it over
     the decode passes' batch sizes gives the fixed part of a decode pass and the part per
     sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a prompt chunk has its
     own fixed part, the median of its loop time less the per-sequence part
@@ -328,7 +328,7 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     decode = timed.prefill_tokens == 0
     if decode.sum() < 2:  # no device times (the CPU), or too few passes to fit
         return {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
-    loop = timed.duration_s - timed.device_s + timed.gap_s
+    loop = timed.loop_s
     seqs, dloop = timed.batch_size[decode].to_numpy(float), loop[decode].to_numpy(float)
     per_seq, fixed = np.polyfit(seqs, dloop, 1) if np.ptp(seqs) > 0 else (0.0, dloop.mean())
     if per_seq < 0:  # no growth with the batch: a constant
@@ -512,10 +512,11 @@ def golden(error: Callable[[float], float], bounds: tuple[float, float]) -> tupl
     error; the last x tried is that x (a replay it leaves is that x's). The search assumes
     the error falls to one least and rises beyond it, as the shared-GPU fits' replay errors
     did on every run tried (docs/calibration.md)."""
-    tried: list[float] = []
+    last = math.nan
 
     def at(x: float) -> float:
-        tried.append(x)
+        nonlocal last
+        last = x
         return error(x)
 
     lo, hi = bounds
@@ -532,7 +533,7 @@ def golden(error: Callable[[float], float], bounds: tuple[float, float]) -> tupl
             d = lo + step * (hi - lo)
             fd = at(d)
     best, least = (c, fc) if fc <= fd else (d, fd)
-    if tried[-1] != best:
+    if last != best:
         at(best)
     return best, least
 

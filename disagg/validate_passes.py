@@ -53,12 +53,12 @@ def pass_gaps(steps: pd.DataFrame) -> pd.Series:
     return pd.concat(gaps).dropna() if gaps else pd.Series(dtype=float)
 
 
-def loop_s(steps: pd.DataFrame) -> pd.Series:
+def loop_s(steps: pd.DataFrame, waited: float = 0.0) -> pd.Series:
     """Per row of `steps`, its loop time: wall less device time, plus the gap until its
-    node's next pass where that is at most BUSY_GAP_S (else the loop waited for work, or
-    the row is its node's last, and none is added)."""
+    node's next pass where that is at most BUSY_GAP_S; `waited` instead where the loop waited
+    for work, or the row is its node's last (NaN: no loop time for it)."""
     gaps = pass_gaps(steps).reindex(steps.index)
-    busy = gaps.where(gaps <= BUSY_GAP_S, 0.0).fillna(0.0)
+    busy = gaps.where(gaps <= BUSY_GAP_S, waited).fillna(waited)
     return steps.duration_s - steps.device_s + busy
 
 
