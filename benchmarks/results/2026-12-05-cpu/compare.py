@@ -20,11 +20,11 @@ import pandas as pd
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 VALIDATES = {
-    "Llama 12-03d": "2026-12-03d-gpu/llama/runs.tgz",
-    "Llama 12-04": "2026-12-04-gpu/llama/runs.tgz",
-    "Llama 12-04b": "2026-12-04b-gpu/llama/runs.tgz",
-    "Llama 12-04d": "2026-12-04d-gpu/llama/runs.tgz",
-    "MoE 12-03c": "2026-12-03c-gpu/moe/runs.tgz",
+    "Llama 12-03d": "2026-12-03d-gpu/llama/runs.tar.xz",
+    "Llama 12-04": "2026-12-04-gpu/llama/runs.tar.xz",
+    "Llama 12-04b": "2026-12-04b-gpu/llama/runs.tar.xz",
+    "Llama 12-04d": "2026-12-04d-gpu/llama/runs.tar.xz",
+    "MoE 12-03c": "2026-12-03c-gpu/moe/runs.tar.xz",
 }
 TOLERANCES = {"ttft_s_p50": 5, "ttft_s_p90": 5, "tpot_s_p50": 3, "tpot_s_p90": 3}
 TOLERANCES["output_throughput"] = 3

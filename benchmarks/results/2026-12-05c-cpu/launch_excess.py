@@ -1,7 +1,7 @@
 """How far a colocated chunk pass ran beyond the profile at its own shape, against the time the
-host took to launch it, in the 2026-12-05b overlap validate (its runs.tgz, unpacked to ROOT).
+host took to launch it, in the 2026-12-05b overlap validate (its runs.tar.xz, unpacked to ROOT).
 
-    tar xzf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tgz -C /tmp/v
+    tar xJf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tar.xz -C /tmp/v
     python benchmarks/results/2026-12-05c-cpu/launch_excess.py /tmp/v/validate-llama8-overlap
 """
 

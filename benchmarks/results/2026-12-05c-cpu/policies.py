@@ -2,7 +2,7 @@
 validate replayed them) rerun under each colocated scheduler, beside the disaggregated replay:
 what the simulator predicts before the hw measures it (`disagg validate --schedulers`).
 
-    tar xzf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tgz -C /tmp/v
+    tar xJf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tar.xz -C /tmp/v
     python benchmarks/results/2026-12-05c-cpu/policies.py /tmp/v/validate-llama8-overlap
 """
 

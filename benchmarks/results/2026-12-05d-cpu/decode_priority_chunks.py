@@ -3,7 +3,7 @@ on the 2026-12-05b overlap validate's colocated replays (profile and loop calibr
 validate replayed them), against chunked prefill: which settings are worth a GPU run of
 `disagg validate --schedulers decode_priority:chunk_with_decodes=N`.
 
-    tar xzf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tgz -C /tmp/v
+    tar xJf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tar.xz -C /tmp/v
     python benchmarks/results/2026-12-05d-cpu/decode_priority_chunks.py \
         /tmp/v/validate-llama8-overlap
 """

@@ -2,7 +2,7 @@
 longest one its profile measured: on the grid it was profiled on, and on the grid with the
 longest quarter's mixes (`disagg.hw.profile.long_mixes`).
 
-    tar xzf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tgz -C /tmp/v
+    tar xJf benchmarks/results/2026-12-05b-gpu/llama-overlap/runs.tar.xz -C /tmp/v
     python benchmarks/results/2026-12-05d-cpu/long_end.py /tmp/v/validate-llama8-overlap
 """
 

@@ -5,7 +5,7 @@ chunk, for 16 sequences or fewer and for more (median, and passes). From the rep
     python benchmarks/results/2026-12-05h-gpu/after_chunk.py DIR colocated-10.7rps ...
 
 DIR: a validate directory replayed by this checkout (`disagg validate --replay --out DIR`),
-e.g. this folder's h200-pieces/runs.tgz unpacked.
+e.g. this folder's h200-pieces/runs.tar.xz unpacked.
 """
 
 from __future__ import annotations
