@@ -289,6 +289,10 @@ class CostConfig(_Frozen):
     # (`disagg validate` measures it: its decode server's passes beside no prefill pass over
     # a colocated server's, which the profile matches)
     profile_decode_scale: float = Field(default=1.0, gt=0)
+    # with a profile: (s, fraction) points, how much longer than the profile a colocated
+    # node's decode-only pass runs on the device by the time since its last pass with a prompt
+    # chunk ended, none from the last point on (`disagg validate` measures them)
+    profile_after_chunk: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

@@ -6,10 +6,11 @@ Stages, each announced through `say`:
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
    profile replays add, with the chunk offsets that every replay fits on those runs'
-   replays (`fit_chunk_offsets`); where the disaggregated servers share one GPU, a run of
-   its own that shows how they share it (`measure_share`): every replay fits both rules of
-   the simulator's shared GPU on it (the decode and prefill shares, and the round robin's
-   switch cost) and gets the one whose replay of that run comes closer to it
+   replays (`fit_chunk_offsets`) and how much longer their decode passes ran just after a
+   pass with a prompt chunk (`fit_after_chunk`); where the disaggregated servers share one
+   GPU, a run of its own that shows how they share it (`measure_share`): every replay fits
+   both rules of the simulator's shared GPU on it (the decode and prefill shares, and the
+   round robin's switch cost) and gets the one whose replay of that run comes closer to it
    (`calibration_shares`), and the speed of its decode server's passes that met no prefill
    pass (`calibration_decode_scale`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
@@ -68,6 +69,7 @@ from disagg.fidelity import (
 )
 from disagg.share import chunk_line, decode_line, decode_scale, shares, shares_at_full_pace
 from disagg.validate_passes import (
+    after_chunk,
     chunk_offsets,
     has_shapes,
     loop_s,
@@ -436,6 +438,27 @@ def fit_chunk_offsets(
     return costs | ({"profile_chunk_offsets": offsets} if offsets else {})
 
 
+def fit_after_chunk(
+    dirs: Sequence[Path],
+    profile_csv: Path,
+    costs: dict[str, Any],
+    sim_overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`costs` with `profile_after_chunk` fitted on the colocated serving runs in `dirs`
+    (`disagg.validate_passes.after_chunk`); as given, less any, where their steps tables
+    have no device times or shapes, or too few decode passes."""
+    costs = {k: v for k, v in costs.items() if k != "profile_after_chunk"}
+    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
+    exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
+    lifts = after_chunk(runs, exp)
+    return costs | ({"profile_after_chunk": lifts} if lifts else {})
+
+
+def said_after(points: Sequence[Sequence[float]]) -> str:
+    """`profile_after_chunk`'s points in words, for the progress line."""
+    return ", ".join(f"{f:+.1%} at {t * 1e3:.3g} ms" for t, f in points)
+
+
 def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
     """Where `measure_loop` under `out` puts its colocated run at each of `rates`."""
     return [out / f"{rate:g}rps" for rate in rates]
@@ -798,6 +821,9 @@ def replay_all(
         if "profile_chunk_offsets" in costs:
             offsets = {"profile_chunk_offsets": costs["profile_chunk_offsets"]}
             say(f"serving loop, on its runs' replays: {described(offsets)}")
+        costs = fit_after_chunk(alone, csv, costs, sim_overrides)
+        if "profile_after_chunk" in costs:
+            say(f"decode passes after a chunk pass: {said_after(costs['profile_after_chunk'])}")
     costs |= calibration_decode_scale(out / "calibration", say)
     on_profile = profiled(csv, costs)
     fitted = calibration_shares(out / "calibration", on_profile, say)

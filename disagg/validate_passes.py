@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,11 @@ from disagg.sim.costmodel import CostModel, StepShape, make_cost_model, padded_c
 SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
 BUSY_GAP_S = 2e-3  # a longer gap between two passes of a node is its loop waiting for work
+# ranges of the time since a node's last pass with a prompt chunk (s) over which its decode
+# passes' device time is compared with the profile's (`after_chunk`); from the last one on,
+# a decode pass runs as profiled
+AFTER_CHUNK_EDGES_S = (0.0, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12, 0.2)
+MIN_AFTER_PASSES = 20  # decode passes a range needs, and the passes after the last
 PASS_COLUMNS = [
     *("kind", "size", "hw_n", "sim_n"),
     *("hw_device_s", "sim_device_s", "hw_loop_s", "sim_loop_s", "shape_device_s"),
@@ -196,6 +201,48 @@ def pass_offsets(steps: pd.DataFrame, exp: Experiment) -> list[list[float]]:
         pick = _within(tokens, lo, hi, last)
         out.append([float(tokens[pick].median()), float(beyond[pick].median())])
     return out
+
+
+def since_chunk(steps: pd.DataFrame) -> pd.Series:
+    """Per row of `steps` (one run's), the time from the end of its node's last earlier pass
+    with a prompt chunk to its start (s; inf where the node has run none yet)."""
+    out = pd.Series(math.inf, index=steps.index)
+    for _, passes in steps.sort_values("start_s").groupby("node", sort=False):
+        ends = (passes.start_s + passes.duration_s).where(passes.prefill_tokens > 0)
+        last = ends.ffill().shift(1)
+        out[passes.index] = (passes.start_s - last).fillna(math.inf)
+    return out
+
+
+def after_chunk(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:
+    """`[cost] profile_after_chunk` from colocated serving runs' steps (each run's own
+    table): each decode-only pass's device time over what `exp` gives a pass of its shape
+    (`shape_device`), over the median of that ratio for the passes that began
+    AFTER_CHUNK_EDGES_S[-1] or more after their node's last pass with a prompt chunk
+    (`since_chunk`); per range of that time, its median and the ratio's median less 1, and 0
+    at the last edge. [] without device times (the CPU) or with fewer than MIN_AFTER_PASSES
+    passes after the last edge; a range with fewer is left out."""
+    timed = []
+    for steps in runs:
+        if "device_s" not in steps or not has_shapes(steps):
+            continue
+        rows = steps.assign(since=since_chunk(steps), shaped=shape_device(steps, exp))
+        pick = (rows.prefill_tokens == 0) & rows.device_s.notna() & rows.shaped.notna()
+        timed.append(rows[pick & rows.node.str.startswith("colocated")])
+    if not timed:
+        return []
+    rows = pd.concat(timed, ignore_index=True)
+    ratio, since = rows.device_s / rows.shaped, rows.since
+    fade = AFTER_CHUNK_EDGES_S[-1]
+    if (since >= fade).sum() < MIN_AFTER_PASSES:
+        return []
+    far = float(ratio[since >= fade].median())
+    out = []
+    for lo, hi in itertools.pairwise(AFTER_CHUNK_EDGES_S):
+        pick = (since >= lo) & (since < hi)
+        if pick.sum() >= MIN_AFTER_PASSES:
+            out.append([float(since[pick].median()), float(ratio[pick].median()) / far - 1])
+    return [*out, [fade, 0.0]] if out else []
 
 
 def pass_report(tables: Mapping[str, pd.DataFrame], out: Path) -> None:

@@ -387,3 +387,51 @@ def test_a_chunk_in_a_piece_costs_the_piece_at_its_own_attention(tmp_path: Path)
     exp = build_experiment(data, ["hw.latency.prefill_graphs=[2048, 512, 1024]"])
     cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
     assert isinstance(cost, ProfileCost) and cost.pieces == [512, 1024, 2048]
+
+
+def test_a_decode_pass_after_a_chunk_pass_runs_longer_until_the_lift_fades(
+    tmp_path: Path,
+) -> None:
+    """after_chunk (0 s, +20%), (20 ms, 0): a decode pass that begins 5 ms after its node's
+    last chunk pass ended runs 15% longer on the device, its host time as it was; from 20 ms
+    on, and on a node that has run no chunk pass, as profiled. Bad points are refused."""
+    host = 0.001 + 8 * 0.0001
+    lift = [(0.0, 0.2), (0.02, 0.0)]
+    c = ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001), after_chunk=lift)
+    assert c.fades_s == 0.02
+    assert [c.after_chunk(s) for s in (0.0, 0.005, 0.02, 1.0)] == pytest.approx([0.2, 0.15, 0, 0])
+    assert c.decode_line(8, 0.005) == pytest.approx((1.15 * 0.01 + host, 1.15 * 1e-7))
+    assert c.decode_line(8, 0.02) == c.decode_line(8) == pytest.approx((0.01 + host, 1e-7))
+    assert ProfileCost(table(tmp_path)).fades_s == 0.0  # none: every pass as profiled
+    with pytest.raises(ConfigError, match=r"after_chunk \[\(0.02, 0.1\), \(0.01, 0.0\)\]"):
+        ProfileCost(table(tmp_path), after_chunk=[(0.02, 0.1), (0.01, 0.0)])
+    with pytest.raises(ConfigError, match="fractions > -1"):
+        ProfileCost(table(tmp_path), after_chunk=[(0.0, -1.0), (0.01, 0.0)])
+
+
+def test_a_colocated_node_runs_its_decode_passes_after_a_chunk_pass_one_by_one(
+    tmp_path: Path,
+) -> None:
+    """One request at a time on a colocated node, no host time, `cost.profile_after_chunk`
+    (0 s, +20%), (20 ms, 0): its first decode pass (context 601 tokens) begins as the chunk
+    pass ends and runs 1.2 x its profiled time d1; the second begins 1.2 d1 (about 12 ms)
+    after it, and runs 0.2 (1 - 1.2 d1 / 20 ms) longer; the other two begin 20 ms or more
+    after it and run as profiled, as one run of two passes. Each request's prefill is as
+    long as without the lift."""
+    no_host = table(tmp_path, host=False)
+    cluster = {"mode": "colocated", "colocated": {"tp": 1}}
+    lifted = one_at_a_time(cluster, no_host, profile_after_chunk=[[0.0, 0.2], [0.02, 0.0]])
+    a, b = ProfileCost(no_host, graphs=True).decode_line(1)
+    d = [a + b * (600 + k) for k in (1, 2, 3, 4)]
+    first = 1.2 * d[0]
+    second = (1 + 0.2 * (1 - first / 0.02)) * d[1]
+    steps = steps_table(lifted.rec)
+    decodes = steps[steps.prefill_tokens == 0]
+    assert list(decodes.steps) == [1, 1, 2] * 3
+    assert list(decodes.duration_s[:3]) == pytest.approx([first, second, d[2] + d[3]], rel=1e-9)
+    plain = one_at_a_time(cluster, no_host)
+    prefill_s = [
+        requests_table(s.requests.values()).eval("prefill_end_s - prefill_start_s")
+        for s in (lifted, plain)
+    ]
+    assert prefill_s[0].to_list() == pytest.approx(prefill_s[1].to_list(), rel=1e-9)

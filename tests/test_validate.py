@@ -37,12 +37,14 @@ from disagg.fidelity import (
 from disagg.validate import calibration_run, loop_costs, own_host, start_parts
 from disagg.validate_passes import (
     PASS_COLUMNS,
+    after_chunk,
     chunk_offsets,
     has_shapes,
     pass_gaps,
     pass_offsets,
     pass_table,
     shape_device,
+    since_chunk,
 )
 from disagg.validate_plan import (
     capacity_per_s,
@@ -534,6 +536,71 @@ def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay(
     assert chunk_offsets(pd.concat([hw, hw]), pd.concat([sim, sim])) == chunk_offsets(hw, sim)
     assert chunk_offsets(hw.assign(device_s=math.nan), sim) == []  # the CPU: no device times
     assert pass_table(hw.assign(device_s=math.nan), sim).empty
+
+
+def test_since_chunk_is_the_time_since_the_nodes_last_chunk_pass_ended() -> None:
+    """Two nodes' passes interleaved: each pass's time since its own node's last pass with a
+    prompt chunk ended (inf before the first), a chunk pass's since the one before it."""
+    steps = pd.DataFrame(
+        {
+            "node": ["colocated0", "colocated1", "colocated0", "colocated1", "colocated0"],
+            "start_s": [1.0, 0.0, 1.05, 0.3, 1.08],
+            "duration_s": [0.04, 0.2, 0.02, 0.01, 0.01],
+            "prefill_tokens": [100, 0, 0, 50, 200],
+        },
+        index=[10, 11, 12, 13, 14],
+    )
+    since = since_chunk(steps)
+    assert list(since.index) == [10, 11, 12, 13, 14]
+    assert since.to_list() == pytest.approx([math.inf, math.inf, 0.01, math.inf, 0.04])
+
+
+def test_after_chunk_is_each_range_of_time_against_the_passes_long_after(tmp_path: Path) -> None:
+    """Twenty chunk passes, each followed by decode passes every 10 ms for 300 ms (from 1 ms
+    after it) whose device
+    time is the profile's at their shape x 1.01 x (1 + f), f falling from +3% as the chunk
+    pass ends to 0 at 200 ms: per range of the time since, f at the median time, and 0 at
+    200 ms (the passes from 200 ms on ran 1.01 x the profile: the reference, so the 1% is not
+    the lift's). A decode node's passes, and a pass of several, are not read; the CPU (no
+    device times) and too few passes long after fit none."""
+    from disagg.sim.costmodel import StepShape, make_cost_model
+
+    rows = [f"prefill,{n},1,0,{0.01 + n * 1e-5},0.001" for n in (100, 1000)]
+    rows += [
+        f"decode,{b},{b},{c},{0.005 + b * c * 1e-8},0.001" for b in (1, 8) for c in (100, 3000)
+    ]
+    csv = tmp_path / "profile.csv"
+    csv.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    exp = load_experiment(EXPERIMENTS / "llama8b-h200.toml", [f"cost.source=profile:{csv}"])
+    cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
+
+    def lift(s: float) -> float:
+        return 0.03 * max(0.0, 1 - s / 0.2)
+
+    table = []
+    for k in range(20):
+        t0 = k * 1.0
+        table.append(("colocated0", t0, 0.05, 1, 500, 0, 0.0, math.nan))
+        for i in range(30):
+            batch, context = 1 + i % 8, 500.0 * (1 + i % 8)
+            shaped = cost.step_time(StepShape(0, 0.0, batch, context)) - cost.host_s(False, batch)
+            since = 0.001 + 0.01 * i
+            device = shaped * 1.01 * (1 + lift(since))
+            table.append(("colocated0", t0 + 0.05 + since, 0.009, 1, 0, batch, context, device))
+        table.append(("decode0", t0 + 0.06, 0.009, 1, 0, 4, 2000.0, 1.0))  # another kind of node
+        table.append(("colocated0", t0 + 0.55, 0.02, 2, 0, 4, 2000.0, 1.0))  # two passes
+    columns = ["node", "start_s", "duration_s", "steps", "prefill_tokens", "decode_seqs"]
+    steps = pd.DataFrame(table, columns=[*columns, "decode_context", "device_s"])
+    steps = steps.assign(batch_size=steps.decode_seqs, prefill_attn_pairs=0.0)
+    times = [0.001, 0.011, 0.021, 0.031, 0.046, 0.066, 0.096, 0.156]
+    fitted = after_chunk([steps], exp)
+    assert [t for t, _ in fitted] == pytest.approx([*times, 0.2])
+    assert [f for _, f in fitted] == pytest.approx([*map(lift, times), 0.0])
+    # two runs, each on its own clock: as one (read together, their passes would interleave)
+    again = after_chunk([steps, steps.assign(start_s=steps.start_s + 0.005)], exp)
+    assert np.ravel(again).tolist() == pytest.approx(np.ravel(fitted).tolist())
+    assert after_chunk([steps.assign(device_s=math.nan)], exp) == []  # the CPU
+    assert after_chunk([steps[steps.start_s % 1.0 < 0.24]], exp) == []  # 19 passes long after
 
 
 def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_path: Path) -> None:
@@ -1194,7 +1261,7 @@ def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path)
     the replays of a steps table without the passes' shapes."""
     from disagg.core.metrics import steps_table
     from disagg.sim.cluster import Sim
-    from disagg.validate import fit_chunk_offsets
+    from disagg.validate import fit_after_chunk, fit_chunk_offsets
 
     def profile(name: str, extra_s: float) -> Path:
         rows = [f"prefill,{n},1,0,{n / 512e3 + extra_s},0" for n in (256, 512, 1024)]
@@ -1237,3 +1304,7 @@ def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path)
         again = fit_chunk_offsets([where], slow, stale)["profile_chunk_offsets"]
         assert [o for _, o in again] == pytest.approx([0.0], abs=1e-12)
     assert (old / "replay").exists() and not (run / "replay").exists()
+    # its decode passes ran as runs of four (none alone): no lift after a chunk pass to fit,
+    # and none kept from before
+    lifted = stale | {"profile_after_chunk": [[0.0, 0.1], [0.2, 0.0]]}
+    assert fit_after_chunk([run], plain, lifted) == {k: stale[k] for k in stale}

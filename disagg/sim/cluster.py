@@ -122,6 +122,7 @@ class Node(Generic[R]):
         self.stopped_until = 0.0  # stopped (a fault): events wait for the resume
         self._held: list[Callable[[], None]] = []
         self.in_pass = False  # a pass runs: events wait in the inbox for its end
+        self.chunk_end = -math.inf  # when its last pass with a prompt chunk ended
         self._inbox: list[Callable[[], None]] = []
 
     # -- events
@@ -242,17 +243,19 @@ class Node(Generic[R]):
     ) -> Generator[Any, Any, tuple[int, float, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight), one pass only on a GPU shared with other nodes
-        (its share there changes as theirs begin and end); returns the passes run, when the
+        (its share there changes as theirs begin and end) or while the cost model lengthens a
+        pass for a chunk pass not long before (`fades_s`); returns the passes run, when the
         first ended and its context.
         Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
         pass."""
-        a, b = self.cost.decode_line(len(decodes))
+        env = self.env
+        since = env._now - self.chunk_end
+        a, b = self.cost.decode_line(len(decodes), since)
         # context tokens, and the output left of the request nearest its end (builtins over
         # the batch: this runs for every batch change)
         generated = list(map(_generated, decodes))
         k0 = float(sum(map(_prompt_tokens, decodes)) + sum(map(int, generated)))
-        env = self.env
-        if self.sim.gpu is not None:
+        if self.sim.gpu is not None or since < self.cost.fades_s:
             yield from self.busy(a + b * k0, False, len(decodes))
             return 1, env._now, k0
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
@@ -414,6 +417,7 @@ class ColocatedNode(Node[ColocatedRole]):
             steps, shape = 1, self.shape(batch)
             pairs, context = shape.prefill_attn_pairs, shape.decode_context
             yield from self.busy(self.cost.step_time(shape), True, len(batch.decodes))
+            self.chunk_end = self.env._now
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -212,8 +213,11 @@ class RooflineCost:
         """The host share of a pass's step time: none (the roofline models the device)."""
         return 0.0
 
-    def decode_line(self, seqs: int) -> tuple[float, float]:
-        """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K."""
+    fades_s = 0.0  # no decode pass runs longer after a chunk pass (ProfileCost.after_chunk)
+
+    def decode_line(self, seqs: int, since_chunk_s: float = math.inf) -> tuple[float, float]:
+        """(a, b): a decode-only step of `seqs` sequences with total context K takes a + b*K
+        (`since_chunk_s` does not change it)."""
         line = self._lines.get(seqs)
         if line is None:
             line = self._lines[seqs] = self._decode_line(seqs)
@@ -269,6 +273,12 @@ class ProfileCost:
     its large ones shorter). `decode_scale` (default 1) multiplies the device time of every
     pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than a
     colocated server's, which the profile matches, on one H200 (`disagg validate` measures it).
+    `after_chunk` ((seconds, fraction) points, seconds increasing; default none): how much
+    longer than the table a decode-only pass runs on the device by the time from the end of
+    its node's last pass with a prompt chunk to its start (`decode_line`'s `since_chunk_s`),
+    interpolated, held before the first point and none from the last (`fades_s`) on: on one
+    H200 or H100 a decode pass right after a chunk pass ran 2-4% longer, fading over 150 ms
+    (`disagg validate` measures it; docs/calibration.md, "Decode passes after a chunk pass").
     With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
     does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
     the smallest batch at or above b whose row filled its graph (the optional column
@@ -293,6 +303,7 @@ class ProfileCost:
         decode_scale: float = 1.0,
         graphs: bool = False,
         pieces: Sequence[int] = (),
+        after_chunk: Sequence[tuple[float, float]] = (),
     ) -> None:
         import pandas as pd
 
@@ -390,6 +401,17 @@ class ProfileCost:
         if not 0 < decode_scale < np.inf:
             raise ConfigError(f"decode_scale {decode_scale!r}: give a factor > 0")
         self.decode_scale = decode_scale
+        ts = [float(t) for t, _ in after_chunk]
+        lifts = [float(f) for _, f in after_chunk]
+        if not all(a < b for a, b in itertools.pairwise([-1.0, *ts])) or not all(
+            -1 < f < np.inf for f in lifts
+        ):
+            raise ConfigError(
+                f"after_chunk {list(after_chunk)!r}: give (seconds, fraction) points with "
+                "seconds >= 0 increasing and fractions > -1"
+            )
+        self._after_ts, self._after_lifts = np.array(ts, float), np.array(lifts, float)
+        self.fades_s = ts[-1] if ts else 0.0  # decode passes later than this run as profiled
         filled = df[(df.kind == "decode") & (df.get("graph_batch", 0) == df.batch)]
         self._graph_batches = sorted({int(b) for b in filled.batch}) if graphs else []
 
@@ -418,11 +440,20 @@ class ProfileCost:
         per_ctx = [_interp(tokens, xs, ys) for xs, ys in self._prefill_curves]
         return _interp(context, self._contexts, np.maximum.accumulate(per_ctx))
 
-    def decode_line(self, seqs: int) -> tuple[float, float]:
-        """(a, b): a decode-only pass of `seqs` sequences with total context K costs a + b*K
+    def after_chunk(self, since_chunk_s: float) -> float:
+        """How much longer than the profile a decode-only pass runs on the device
+        `since_chunk_s` after its node's last pass with a prompt chunk ended (see the class doc):
+        a fraction, interpolated, 0 from `fades_s` on."""
+        if since_chunk_s >= self.fades_s:
+            return 0.0
+        return float(np.interp(since_chunk_s, self._after_ts, self._after_lifts))
+
+    def decode_line(self, seqs: int, since_chunk_s: float = math.inf) -> tuple[float, float]:
+        """(a, b): a decode-only pass of `seqs` sequences with total context K, beginning
+        `since_chunk_s` after its node's last pass with a prompt chunk ended, costs a + b*K
         (its host time and `pass_overhead_s` are in a)."""
         a, b = self._device_line(self.graph_batch(seqs))
-        k = self.decode_scale
+        k = self.decode_scale * (1.0 + self.after_chunk(since_chunk_s))
         return k * a + self.host_s(False, seqs), k * b
 
     def host_s(self, prefill: bool, decodes: int) -> float:
@@ -537,6 +568,7 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             scale,
             graphs,
             exp.hw.latency.prefill_graphs,
+            c.profile_after_chunk,
         )
     return RooflineCost(
         exp.model.spec,
