@@ -287,12 +287,16 @@ class CostConfig(_Frozen):
     profile_chunk_offsets: tuple[tuple[float, float], ...] = ()
     # with a profile: a disaggregated decode node's device time per pass over the profile's
     # (`disagg validate` measures it: its decode server's passes beside no prefill pass over
-    # a colocated server's, which the profile matches)
+    # the profile's at their shape, graph scales and all)
     profile_decode_scale: float = Field(default=1.0, gt=0)
     # with a profile: (s, fraction) points, how much longer than the profile a colocated
     # node's decode-only pass runs on the device by the time since its last pass with a prompt
     # chunk ended, none from the last point on (`disagg validate` measures them)
     profile_after_chunk: tuple[tuple[float, float], ...] = ()
+    # with a profile: (batch, factor) points, a decode-only pass replayed in a CUDA graph
+    # runs the factor of its batch (interpolated over the points in its graph) x the
+    # profile's device time (`disagg validate` measures them on passes long after a chunk pass)
+    profile_graph_scales: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

@@ -189,19 +189,35 @@ def shares_at_full_pace(
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak
 
 
-def decode_scale(steps: pd.DataFrame, alone: pd.DataFrame) -> float | None:
-    """How fast a disaggregated run's decode server runs its passes: the median, over the
-    decode-only passes of `steps` (one pass a row) that met no pass with a prompt chunk, of
-    their device time over what the decode-only passes of `alone` (a run of one colocated
-    server, as the profile is measured) took on the device at their batch size (a line).
-    None where the runs record no device time, or with fewer than MIN_ALONE_PASSES such
-    passes."""
+def free_decodes(steps: pd.DataFrame) -> pd.DataFrame:
+    """The decode-only passes of `steps` (one pass a row) that met no pass with a prompt chunk
+    (of another node), where they have device times."""
     free = (steps.prefill_tokens == 0).to_numpy(copy=True)
     free[list(overlap_segments(steps))] = False
-    own = steps[free].dropna(subset=["device_s"])
+    return steps[free].dropna(subset=["device_s"])
+
+
+def decode_scale(steps: pd.DataFrame, alone: pd.DataFrame) -> float | None:
+    """How fast a disaggregated run's decode server runs its passes: the median, over its
+    `free_decodes`, of their device time over what the decode-only passes of `alone` (a run
+    of one colocated server, as the profile is measured) took on the device at their batch
+    size (a line). None where the runs record no device time, or with fewer than
+    MIN_ALONE_PASSES such passes. For steps tables without the passes' shapes
+    (`decode_scale_at_shape` otherwise)."""
+    own = free_decodes(steps)
     ref = alone[alone.prefill_tokens == 0].dropna(subset=["device_s"])
     if len(own) < MIN_ALONE_PASSES or len(ref) < 2:
         return None
     line = _line(ref.decode_seqs.to_numpy(float), (ref.device_s / ref.steps).to_numpy(float))
     device = (own.device_s / own.steps).to_numpy(float)
     return float(np.median(device / line(own.decode_seqs.to_numpy(float))))
+
+
+def decode_scale_at_shape(steps: pd.DataFrame, shaped: pd.Series) -> float | None:
+    """How fast a disaggregated run's decode server runs its passes: the median, over its
+    `free_decodes`, of their device time over `shaped` (per row of `steps`: the cost model's
+    device time at the pass's shape, `disagg.validate_passes.shape_device`). None with fewer
+    than MIN_ALONE_PASSES such passes."""
+    own = free_decodes(steps)
+    ratio = (own.device_s / shaped[own.index]).dropna()
+    return float(ratio.median()) if len(ratio) >= MIN_ALONE_PASSES else None

@@ -6,8 +6,9 @@ Stages, each announced through `say`:
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
    profile replays add, with the chunk offsets that every replay fits on those runs'
-   replays (`fit_chunk_offsets`) and how much longer their decode passes ran just after a
-   pass with a prompt chunk (`fit_after_chunk`); where the disaggregated servers share one
+   replays (`fit_chunk_offsets`), how long their decode passes ran in each CUDA graph
+   (`fit_graph_scales`) and how much longer just after a pass with a prompt chunk
+   (`fit_after_chunk`); where the disaggregated servers share one
    GPU, a run of its own that shows how they share it (`measure_share`): every replay fits
    both rules of the simulator's shared GPU on it (the decode and prefill shares, and the
    round robin's switch cost) and gets the one whose replay of that run comes closer to it
@@ -67,10 +68,18 @@ from disagg.fidelity import (
     widest_spreads,
     write_report,
 )
-from disagg.share import chunk_line, decode_line, decode_scale, shares, shares_at_full_pace
+from disagg.share import (
+    chunk_line,
+    decode_line,
+    decode_scale,
+    decode_scale_at_shape,
+    shares,
+    shares_at_full_pace,
+)
 from disagg.validate_passes import (
     after_chunk,
     chunk_offsets,
+    graph_scales,
     has_shapes,
     loop_s,
     pass_gaps,
@@ -454,6 +463,22 @@ def fit_after_chunk(
     return costs | ({"profile_after_chunk": lifts} if lifts else {})
 
 
+def fit_graph_scales(
+    dirs: Sequence[Path],
+    profile_csv: Path,
+    costs: dict[str, Any],
+    sim_overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`costs` with `profile_graph_scales` fitted on the colocated serving runs in `dirs`
+    (`disagg.validate_passes.graph_scales`); as given, less any, where their steps tables have
+    no device times or shapes, or too few decode passes long after a chunk pass."""
+    costs = {k: v for k, v in costs.items() if k != "profile_graph_scales"}
+    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
+    exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
+    scales = graph_scales(runs, exp)
+    return costs | ({"profile_graph_scales": scales} if scales else {})
+
+
 def said_after(points: Sequence[Sequence[float]]) -> str:
     """`profile_after_chunk`'s points in words, for the progress line."""
     return ", ".join(f"{f:+.1%} at {t * 1e3:.3g} ms" for t, f in points)
@@ -632,18 +657,29 @@ def calibration_runs(cal: Path) -> tuple[Path | None, list[Path]]:
     return (shared[-1] if shared else None), alone
 
 
-def calibration_decode_scale(cal: Path, say: Callable[[str], None] = print) -> dict[str, float]:
+def calibration_decode_scale(
+    cal: Path, on_profile: Sequence[str], say: Callable[[str], None] = print
+) -> dict[str, float]:
     """The calibration `cal`'s `cost.profile_decode_scale`, as a loop cost: its
-    disaggregated run's decode passes that met no prefill pass against its colocated runs'
-    (`disagg.share.decode_scale`); {} without those runs or their device times."""
+    disaggregated run's decode passes that met no prefill pass against the profile at their
+    shape (`on_profile`: the overrides of the replays' profile and loop costs, the graph
+    scales among them; `disagg.share.decode_scale_at_shape`), or, where its steps table
+    predates the shapes, against its colocated runs' passes (`disagg.share.decode_scale`);
+    {} without those runs or their device times."""
     run, alone = calibration_runs(cal)
     if run is None or not alone:
         return {}
-    steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
-    scale = decode_scale(pd.read_parquet(run / "steps.parquet"), steps)
+    steps = pd.read_parquet(run / "steps.parquet")
+    if "device_s" in steps and has_shapes(steps):
+        unscaled = load_experiment(run, [*on_profile, "cost.profile_decode_scale=1.0"])
+        shaped = shape_device(steps, unscaled)
+        scale, of = decode_scale_at_shape(steps, shaped), "the profile's at their shape"
+    else:
+        colocated = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
+        scale, of = decode_scale(steps, colocated), "a colocated one's"
     if scale is None:
         return {}
-    say(f"decode server: its passes beside no prefill took {scale:.3f} of a colocated one's")
+    say(f"decode server: its passes beside no prefill took {scale:.3f} of {of}")
     return {"profile_decode_scale": scale}
 
 
@@ -821,10 +857,15 @@ def replay_all(
         if "profile_chunk_offsets" in costs:
             offsets = {"profile_chunk_offsets": costs["profile_chunk_offsets"]}
             say(f"serving loop, on its runs' replays: {described(offsets)}")
+        costs = fit_graph_scales(alone, csv, costs, sim_overrides)
+        if "profile_graph_scales" in costs:
+            scales = ", ".join(f"{f:.3f} at {b:g}" for b, f in costs["profile_graph_scales"])
+            say(f"decode passes long after a chunk pass, by their batch: {scales}")
         costs = fit_after_chunk(alone, csv, costs, sim_overrides)
         if "profile_after_chunk" in costs:
             say(f"decode passes after a chunk pass: {said_after(costs['profile_after_chunk'])}")
-    costs |= calibration_decode_scale(out / "calibration", say)
+    on_profile = [*sim_overrides, *profiled(csv, costs)]
+    costs |= calibration_decode_scale(out / "calibration", on_profile, say)
     on_profile = profiled(csv, costs)
     fitted = calibration_shares(out / "calibration", on_profile, say)
     if fitted:  # where the servers shared one GPU; the caller's overrides come after

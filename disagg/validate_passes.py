@@ -16,7 +16,13 @@ import numpy as np
 import pandas as pd
 
 from disagg.config import Experiment
-from disagg.sim.costmodel import CostModel, StepShape, make_cost_model, padded_chunk
+from disagg.sim.costmodel import (
+    CostModel,
+    ProfileCost,
+    StepShape,
+    make_cost_model,
+    padded_chunk,
+)
 
 SHAPE_COLUMNS = ("prefill_attn_pairs", "decode_context")  # a steps row's pass, as costed
 PASS_BINS = 4  # ranges of chunk tokens (and of decode batch) that passes are compared over
@@ -214,25 +220,62 @@ def since_chunk(steps: pd.DataFrame) -> pd.Series:
     return out
 
 
-def after_chunk(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:
-    """`[cost] profile_after_chunk` from colocated serving runs' steps (each run's own
-    table): each decode-only pass's device time over what `exp` gives a pass of its shape
-    (`shape_device`), over the median of that ratio for the passes that began
-    AFTER_CHUNK_EDGES_S[-1] or more after their node's last pass with a prompt chunk
-    (`since_chunk`); per range of that time, its median and the ratio's median less 1, and 0
-    at the last edge. [] without device times (the CPU) or with fewer than MIN_AFTER_PASSES
-    passes after the last edge; a range with fewer is left out."""
+def decode_ratios(runs: Sequence[pd.DataFrame], exp: Experiment) -> pd.DataFrame:
+    """The decode-only passes of colocated serving runs' steps (each run's own table) with
+    device times and shapes: each with `since` (`since_chunk`) and `ratio`, its device time
+    over what `exp` gives a pass of its shape (`shape_device`). No rows without device times
+    (the CPU)."""
     timed = []
     for steps in runs:
         if "device_s" not in steps or not has_shapes(steps):
             continue
         rows = steps.assign(since=since_chunk(steps), shaped=shape_device(steps, exp))
         pick = (rows.prefill_tokens == 0) & rows.device_s.notna() & rows.shaped.notna()
-        timed.append(rows[pick & rows.node.str.startswith("colocated")])
+        rows = rows[pick & rows.node.str.startswith("colocated")]
+        timed.append(rows.assign(ratio=rows.device_s / rows.shaped))
     if not timed:
+        return pd.DataFrame({"batch_size": [], "since": [], "ratio": []})
+    return pd.concat(timed, ignore_index=True)
+
+
+def graph_ranges(graphs: Sequence[int]) -> list[tuple[int, int]]:
+    """The ranges of batch sizes (low, high] that `graph_scales` fits over: each CUDA graph's
+    batches above the graph before it, in quarters where they are more than four."""
+    out = []
+    for low, high in itertools.pairwise([0, *graphs]):
+        cuts = [low + (high - low) * k // 4 for k in range(5)] if high - low > 4 else [low, high]
+        out += list(itertools.pairwise(cuts))
+    return out
+
+
+def graph_scales(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:
+    """`[cost] profile_graph_scales` from colocated serving runs' steps: over the decode-only
+    passes that began AFTER_CHUNK_EDGES_S[-1] or more after a chunk pass (`decode_ratios`),
+    per range of batch sizes of a CUDA graph (`graph_ranges`), the passes' median batch and
+    median `ratio`; a range with fewer than MIN_AFTER_PASSES passes is left out, and []
+    without device times (the CPU) or graphs. `exp`: the profile without graph scales."""
+    cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
+    rows = decode_ratios(runs, exp)
+    far = rows[rows.since >= AFTER_CHUNK_EDGES_S[-1]]
+    if far.empty or not isinstance(cost, ProfileCost):
         return []
-    rows = pd.concat(timed, ignore_index=True)
-    ratio, since = rows.device_s / rows.shaped, rows.since
+    out = []
+    for low, high in graph_ranges(cost.graph_batches):
+        pick = far[(far.batch_size > low) & (far.batch_size <= high)]
+        if len(pick) >= MIN_AFTER_PASSES:
+            out.append([float(pick.batch_size.median()), float(pick.ratio.median())])
+    return out
+
+
+def after_chunk(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:
+    """`[cost] profile_after_chunk` from colocated serving runs' steps: the decode-only
+    passes' `ratio` (`decode_ratios`) over its median for the passes that began
+    AFTER_CHUNK_EDGES_S[-1] or more after their node's last pass with a prompt chunk; per
+    range of that time, its median and the ratio's median less 1, and 0 at the last edge.
+    [] without device times (the CPU) or with fewer than MIN_AFTER_PASSES passes after the
+    last edge; a range with fewer is left out."""
+    rows = decode_ratios(runs, exp)
+    ratio, since = rows.ratio, rows.since
     fade = AFTER_CHUNK_EDGES_S[-1]
     if (since >= fade).sum() < MIN_AFTER_PASSES:
         return []

@@ -435,3 +435,39 @@ def test_a_colocated_node_runs_its_decode_passes_after_a_chunk_pass_one_by_one(
         for s in (lifted, plain)
     ]
     assert prefill_s[0].to_list() == pytest.approx(prefill_s[1].to_list(), rel=1e-9)
+
+
+def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path: Path) -> None:
+    """Graphs of 1, 4 and 8; graph_scales (3, 1.05), (5, 1.2), (7, 1.1). A decode-only pass of
+    6 sequences replays the graph of 8, whose points are 5 and 7: 1.15 x its line's device
+    time (14 ms + 0.1 us a cached token), its host time as it was; 5 and 8 take 1.2 and 1.1
+    (held), 2 and 4 the graph of 4's 1.05, 1 (a graph without points) and 9 (beyond the
+    graphs, eager) 1. A mixed pass, and a server without graphs, run as profiled. Both a
+    colocated and a decode node's cost model have the experiment's scales. A factor of 0 is
+    refused."""
+    run_host = (0.001, 0.003, 0.0001)
+    points = [(3, 1.05), (5, 1.2), (7, 1.1)]
+    c = ProfileCost(graph_table(tmp_path), run_host=run_host, graphs=True, graph_scales=points)
+    plain = ProfileCost(graph_table(tmp_path), run_host=run_host, graphs=True)
+    scales = [c.graph_scale(b) for b in (1, 2, 4, 5, 6, 8, 9)]
+    assert scales == pytest.approx([1.0, 1.05, 1.05, 1.2, 1.15, 1.1, 1.0])
+    host = 0.001 + 6 * 0.0001
+    assert c.decode_line(6) == pytest.approx((1.15 * 0.014 + host, 1.15 * 1e-7))
+    six = StepShape(decode_seqs=6, decode_context=6000.0)
+    assert c.step_time(six) == pytest.approx(1.15 * (0.014 + 6000e-7) + host)
+    assert c.decode_line(1) == plain.decode_line(1)
+    mixed = StepShape(512, 512 * 513 / 2, 6, 6000.0)
+    assert c.step_time(mixed) == plain.step_time(mixed)
+    eager = ProfileCost(graph_table(tmp_path), run_host=run_host, graph_scales=points)
+    assert eager.graph_scale(6) == 1.0
+    with pytest.raises(ConfigError, match=r"graph_scales \[\(8, 0.0\)\]: give factors > 0"):
+        ProfileCost(graph_table(tmp_path), graph_scales=[(8, 0.0)])
+    cost = {"source": f"profile:{graph_table(tmp_path)}", "profile_graph_scales": points}
+    one_gpu = {"nodes": 1, "tp": 1}
+    cluster = {"mode": "disagg", "prefill": one_gpu, "decode": one_gpu}
+    exp = build_experiment({"model": {"name": "tiny-gqa"}, "cluster": cluster, "cost": cost})
+    by_role = {
+        role: cast(ProfileCost, make_cost_model(exp, exp.cluster.decode, role)).graph_scale(6)
+        for role in ("colocated", "decode")
+    }
+    assert by_role == {"colocated": pytest.approx(1.15), "decode": pytest.approx(1.15)}

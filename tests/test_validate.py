@@ -39,6 +39,8 @@ from disagg.validate_passes import (
     PASS_COLUMNS,
     after_chunk,
     chunk_offsets,
+    graph_ranges,
+    graph_scales,
     has_shapes,
     pass_gaps,
     pass_offsets,
@@ -287,8 +289,9 @@ def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path:
 
 def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path: Path) -> None:
     """A calibration whose shared run's decode node ran at decode scale 0.8 (simulated on a
-    profile: 10 ms + 0.1 us per cached token a decode pass) gives 0.8 back within 1% against
-    its colocated run's decode passes, as the replays' loop cost; without a shared run, none."""
+    profile: 10 ms + 0.1 us per cached token a decode pass) gives 0.8 back, as the replays'
+    loop cost: against the profile at each pass's shape, and, for a steps table without the
+    shapes, within 1% against its colocated run's decode passes; without a shared run, none."""
     from disagg.config import build_experiment
     from disagg.core.metrics import steps_table
     from disagg.sim.cluster import Sim
@@ -311,26 +314,35 @@ def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path:
         },
     }
     cal = tmp_path / "calibration"
-    assert calibration_decode_scale(cal) == {}
+    on_profile = [f"cost.source=profile:{profile}"]
+    assert calibration_decode_scale(cal, on_profile) == {}
     for name, settings in (
         ("4rps", []),
         ("disagg-4rps", ["cluster.shared_gpu=true", "cost.profile_decode_scale=0.8"]),
     ):
-        sim = Sim(build_experiment(data, settings))
+        exp = build_experiment(data, settings)
+        sim = Sim(exp)
         sim.run()
         (cal / name).mkdir(parents=True)
         steps_table(sim.rec).to_parquet(cal / name / "steps.parquet")
         (cal / name / "summary.json").write_text("{}")
+        (cal / name / "experiment.json").write_text(exp.model_dump_json())
     said: list[str] = []
-    fitted = calibration_decode_scale(cal, said.append)
-    assert list(fitted) == ["profile_decode_scale"]
+    fitted = calibration_decode_scale(cal, on_profile, said.append)
+    assert fitted == {"profile_decode_scale": pytest.approx(0.8, rel=1e-9)}
+    of = "of the profile's at their shape"
+    assert said == [f"decode server: its passes beside no prefill took 0.800 {of}"]
+    shared = cal / "disagg-4rps" / "steps.parquet"
+    pd.read_parquet(shared).drop(columns=["decode_context"]).to_parquet(shared)
+    said.clear()
+    fitted = calibration_decode_scale(cal, on_profile, said.append)
     assert fitted["profile_decode_scale"] == pytest.approx(0.8, rel=0.01)
     scale = fitted["profile_decode_scale"]
     assert said == [
         f"decode server: its passes beside no prefill took {scale:.3f} of a colocated one's"
     ]
     (cal / "disagg-4rps" / "summary.json").unlink()  # a shared run cut short: none
-    assert calibration_decode_scale(cal) == {}
+    assert calibration_decode_scale(cal, on_profile) == {}
 
 
 @pytest.mark.parametrize(
@@ -601,6 +613,50 @@ def test_after_chunk_is_each_range_of_time_against_the_passes_long_after(tmp_pat
     assert np.ravel(again).tolist() == pytest.approx(np.ravel(fitted).tolist())
     assert after_chunk([steps.assign(device_s=math.nan)], exp) == []  # the CPU
     assert after_chunk([steps[steps.start_s % 1.0 < 0.24]], exp) == []  # 19 passes long after
+
+
+def test_graph_scales_are_the_passes_long_after_a_chunk_pass_by_their_batch(
+    tmp_path: Path,
+) -> None:
+    """A profile of decode graphs of 1, 8 and 32: their batches in ranges (0, 1]; the graph of
+    8's in quarters (1, 2], (2, 4], (4, 6], (6, 8]; the graph of 32's (8, 14], ..., (26, 32].
+    Passes 250 ms or more after a chunk pass: 40 of 5-6 sequences at the profile's time at
+    their shape, 40 of 17-20 at 1.06 or 1.08 x it alternately, 40 of 27-30 at 1.02 x, 10 of
+    one sequence (too few). Passes soon after the chunk pass ran twice as long and are not
+    read. So (5.5, 1.0), (18.5, 1.07), (28.5, 1.02). The CPU (no device times) fits none."""
+    from disagg.sim.costmodel import StepShape, make_cost_model
+
+    assert graph_ranges([1, 8, 32]) == [
+        *((0, 1), (1, 2), (2, 4), (4, 6), (6, 8)),
+        *((8, 14), (14, 20), (20, 26), (26, 32)),
+    ]
+    rows = ["prefill,512,1,0,0.01,0.001,0"]
+    rows += [
+        f"decode,{b},{b},{c},{0.005 + b * c * 1e-8},0.001,{b}"
+        for b in (1, 8, 32)
+        for c in (100, 3000)
+    ]
+    csv = tmp_path / "profile.csv"
+    header = "kind,tokens,batch,context,duration_s,host_s,graph_batch"
+    csv.write_text("\n".join([header, *rows]) + "\n")
+    exp = load_experiment(EXPERIMENTS / "llama8b-h200.toml", [f"cost.source=profile:{csv}"])
+    cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
+    table = [("colocated0", 0.0, 0.05, 500, 0, 0.0, math.nan)]
+    passes = [(5 + i % 2, 1.0) for i in range(40)] + [(1, 1.0)] * 10
+    passes += [(17 + i % 4, 1.06 if i % 2 else 1.08) for i in range(40)]
+    passes += [(27 + i % 4, 1.02) for i in range(40)]
+    for i, (batch, factor) in enumerate(passes):
+        context = 1000.0 * batch
+        shaped = cost.step_time(StepShape(0, 0.0, batch, context)) - cost.host_s(False, batch)
+        table.append(("colocated0", 0.3 + 0.02 * i, 0.01, 0, batch, context, shaped * factor))
+        table.append(("colocated0", 0.06 + i * 1e-5, 1e-6, 0, 5, 5000.0, 1.0))  # soon after
+    columns = ["node", "start_s", "duration_s", "prefill_tokens", "decode_seqs"]
+    steps = pd.DataFrame(table, columns=[*columns, "decode_context", "device_s"])
+    steps = steps.assign(batch_size=steps.decode_seqs, prefill_attn_pairs=0.0, steps=1)
+    assert np.ravel(graph_scales([steps], exp)).tolist() == pytest.approx(
+        [5.5, 1.0, 18.5, 1.07, 28.5, 1.02]
+    )
+    assert graph_scales([steps.assign(device_s=math.nan)], exp) == []
 
 
 def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_path: Path) -> None:

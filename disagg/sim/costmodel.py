@@ -271,14 +271,20 @@ class ProfileCost:
     (`padded_chunk`) and held beyond the ends, added to every pass with a chunk
     (`disagg validate` measures it: a server's small chunks run longer than the profile's,
     its large ones shorter). `decode_scale` (default 1) multiplies the device time of every
-    pass's decodes: a disaggregated decode server's passes alone ran 3-5% faster than a
-    colocated server's, which the profile matches, on one H200 (`disagg validate` measures it).
+    pass's decodes: a disaggregated decode server's passes alone ran 2-3% faster than the
+    profile's at their shape on one H200 (`disagg validate` measures it).
     `after_chunk` ((seconds, fraction) points, seconds increasing; default none): how much
     longer than the table a decode-only pass runs on the device by the time from the end of
     its node's last pass with a prompt chunk to its start (`decode_line`'s `since_chunk_s`),
     interpolated, held before the first point and none from the last (`fades_s`) on: on one
     H200 or H100 a decode pass right after a chunk pass ran 2-4% longer, fading over 150 ms
     (`disagg validate` measures it; docs/calibration.md, "Decode passes after a chunk pass").
+    `graph_scales` ((batch, factor) points; default none) multiplies the device time of a
+    decode-only pass replayed in a CUDA graph (`graph_batch`): the factor interpolated over
+    the points whose batch lies in the same graph (above the graph before it), held at their
+    ends, 1 in a graph without points. On one H200 or H100 a server's passes of up to 16
+    sequences ran as the profile's rows, and those in the graph of 32 up to 8% longer, the
+    more the emptier the graph (`disagg validate` measures them; docs/calibration.md).
     With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
     does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
     the smallest batch at or above b whose row filled its graph (the optional column
@@ -304,6 +310,7 @@ class ProfileCost:
         graphs: bool = False,
         pieces: Sequence[int] = (),
         after_chunk: Sequence[tuple[float, float]] = (),
+        graph_scales: Sequence[tuple[float, float]] = (),
     ) -> None:
         import pandas as pd
 
@@ -413,13 +420,35 @@ class ProfileCost:
         self._after_ts, self._after_lifts = np.array(ts, float), np.array(lifts, float)
         self.fades_s = ts[-1] if ts else 0.0  # decode passes later than this run as profiled
         filled = df[(df.kind == "decode") & (df.get("graph_batch", 0) == df.batch)]
-        self._graph_batches = sorted({int(b) for b in filled.batch}) if graphs else []
+        self.graph_batches = sorted({int(b) for b in filled.batch}) if graphs else []
+        points = sorted((float(b), float(f)) for b, f in graph_scales)
+        if not all(0 < f < np.inf for _, f in points):
+            raise ConfigError(f"graph_scales {list(graph_scales)!r}: give factors > 0")
+        self._graph_points = points
+        self._scales: dict[int, float] = {}  # graph_scale by batch
+
+    def graph_scale(self, seqs: int) -> float:
+        """The factor on the device time of a decode-only pass of `seqs` sequences replayed in
+        its CUDA graph (`graph_scales`, see the class doc): interpolated over the points of its
+        graph's batches, held at their ends; 1 in a graph without points, or eagerly."""
+        scale = self._scales.get(seqs)
+        if scale is None:
+            graph = self.graph_batch(seqs)
+            i = bisect.bisect_left(self.graph_batches, graph)
+            low = self.graph_batches[i - 1] if 0 < i < len(self.graph_batches) else 0
+            own = [(b, f) for b, f in self._graph_points if low < b <= graph]
+            if not own or i == len(self.graph_batches):
+                scale = 1.0
+            else:
+                scale = float(np.interp(seqs, [b for b, _ in own], [f for _, f in own]))
+            self._scales[seqs] = scale
+        return scale
 
     def graph_batch(self, seqs: int) -> int:
         """The batch whose line a decode-only pass of `seqs` sequences costs (see the class
         doc): `seqs` itself without `graphs` or above the largest graph the table has."""
-        i = bisect.bisect_left(self._graph_batches, seqs)
-        return self._graph_batches[i] if i < len(self._graph_batches) else seqs
+        i = bisect.bisect_left(self.graph_batches, seqs)
+        return self.graph_batches[i] if i < len(self.graph_batches) else seqs
 
     def chunk_offset(self, tokens: int) -> float:
         """The serving runs' device time beyond the table's for a pass with a `tokens`-token
@@ -453,7 +482,7 @@ class ProfileCost:
         `since_chunk_s` after its node's last pass with a prompt chunk ended, costs a + b*K
         (its host time and `pass_overhead_s` are in a)."""
         a, b = self._device_line(self.graph_batch(seqs))
-        k = self.decode_scale * (1.0 + self.after_chunk(since_chunk_s))
+        k = self.decode_scale * (1.0 + self.after_chunk(since_chunk_s)) * self.graph_scale(seqs)
         return k * a + self.host_s(False, seqs), k * b
 
     def host_s(self, prefill: bool, decodes: int) -> float:
@@ -510,7 +539,8 @@ class ProfileCost:
         if not (n or d):
             return 0.0  # no pass
         line = d if n else self.graph_batch(d)  # a mixed pass runs eagerly
-        t = self.decode_scale * self._decode_time(line, s.decode_context) if d else 0.0
+        k = self.decode_scale * (1.0 if n else self.graph_scale(d))
+        t = k * self._decode_time(line, s.decode_context) if d else 0.0
         if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
             offset = self.chunk_offset(n)
             if d:
@@ -569,6 +599,7 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             graphs,
             exp.hw.latency.prefill_graphs,
             c.profile_after_chunk,
+            c.profile_graph_scales,
         )
     return RooflineCost(
         exp.model.spec,
