@@ -6,12 +6,12 @@ Stages, each announced through `say`:
    passes, each with its host time; then measure what the serving loop adds to every pass
    (`measure_loop`, on runs of their own seeds at the lowest and the highest load), which the
    profile replays add, with the chunk offsets that every replay fits on those runs'
-   replays (`fit_chunk_offsets`), how long their decode passes ran in each CUDA graph
-   (`fit_graph_scales`) and how much longer just after a pass with a prompt chunk
-   (`fit_after_chunk`); where the disaggregated servers share one
-   GPU, a run of its own that shows how they share it (`measure_share`): every replay fits
-   both rules of the simulator's shared GPU on it (the decode and prefill shares, and the
-   round robin's switch cost) and gets the one whose replay of that run comes closer to it
+   replays (`fit_chunk_offsets`), and how long their decode passes ran in each CUDA graph
+   and just after a pass with a prompt chunk (`fit_decode_passes`); where the disaggregated
+   servers share one GPU, a run of its own that shows how they share it (`measure_share`):
+   every replay fits both rules of the simulator's shared GPU on it (the decode and prefill
+   shares, and the round robin's switch cost) and gets the one whose replay of that run
+   comes closer to it
    (`calibration_shares`), and the speed of its decode server's passes that met no prefill
    pass (`calibration_decode_scale`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
@@ -447,36 +447,27 @@ def fit_chunk_offsets(
     return costs | ({"profile_chunk_offsets": offsets} if offsets else {})
 
 
-def fit_after_chunk(
+DECODE_FITS = (("profile_graph_scales", graph_scales), ("profile_after_chunk", after_chunk))
+
+
+def fit_decode_passes(
     dirs: Sequence[Path],
     profile_csv: Path,
     costs: dict[str, Any],
     sim_overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """`costs` with `profile_after_chunk` fitted on the colocated serving runs in `dirs`
-    (`disagg.validate_passes.after_chunk`); as given, less any, where their steps tables
-    have no device times or shapes, or too few decode passes."""
-    costs = {k: v for k, v in costs.items() if k != "profile_after_chunk"}
+    """`costs` with `profile_graph_scales` and then, on top of them, `profile_after_chunk`
+    fitted on the colocated serving runs in `dirs` (`disagg.validate_passes.graph_scales`,
+    `after_chunk`); as given, less either, where their steps tables have no device times or
+    shapes, or too few decode passes."""
+    costs = {k: v for k, v in costs.items() if k not in dict(DECODE_FITS)}
     runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
-    exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
-    lifts = after_chunk(runs, exp)
-    return costs | ({"profile_after_chunk": lifts} if lifts else {})
-
-
-def fit_graph_scales(
-    dirs: Sequence[Path],
-    profile_csv: Path,
-    costs: dict[str, Any],
-    sim_overrides: Sequence[str] = (),
-) -> dict[str, Any]:
-    """`costs` with `profile_graph_scales` fitted on the colocated serving runs in `dirs`
-    (`disagg.validate_passes.graph_scales`); as given, less any, where their steps tables have
-    no device times or shapes, or too few decode passes long after a chunk pass."""
-    costs = {k: v for k, v in costs.items() if k != "profile_graph_scales"}
-    runs = [pd.read_parquet(where / "steps.parquet") for where in dirs]
-    exp = load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
-    scales = graph_scales(runs, exp)
-    return costs | ({"profile_graph_scales": scales} if scales else {})
+    for key, fit in DECODE_FITS:
+        points = fit(
+            runs, load_experiment(dirs[0], [*sim_overrides, *profiled(profile_csv, costs)])
+        )
+        costs |= {key: points} if points else {}
+    return costs
 
 
 def said_after(points: Sequence[Sequence[float]]) -> str:
@@ -857,11 +848,10 @@ def replay_all(
         if "profile_chunk_offsets" in costs:
             offsets = {"profile_chunk_offsets": costs["profile_chunk_offsets"]}
             say(f"serving loop, on its runs' replays: {described(offsets)}")
-        costs = fit_graph_scales(alone, csv, costs, sim_overrides)
+        costs = fit_decode_passes(alone, csv, costs, sim_overrides)
         if "profile_graph_scales" in costs:
             scales = ", ".join(f"{f:.3f} at {b:g}" for b, f in costs["profile_graph_scales"])
             say(f"decode passes long after a chunk pass, by their batch: {scales}")
-        costs = fit_after_chunk(alone, csv, costs, sim_overrides)
         if "profile_after_chunk" in costs:
             say(f"decode passes after a chunk pass: {said_after(costs['profile_after_chunk'])}")
     on_profile = [*sim_overrides, *profiled(csv, costs)]

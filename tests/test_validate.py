@@ -1317,7 +1317,7 @@ def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path)
     the replays of a steps table without the passes' shapes."""
     from disagg.core.metrics import steps_table
     from disagg.sim.cluster import Sim
-    from disagg.validate import fit_after_chunk, fit_chunk_offsets
+    from disagg.validate import fit_chunk_offsets, fit_decode_passes
 
     def profile(name: str, extra_s: float) -> Path:
         rows = [f"prefill,{n},1,0,{n / 512e3 + extra_s},0" for n in (256, 512, 1024)]
@@ -1360,7 +1360,8 @@ def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path)
         again = fit_chunk_offsets([where], slow, stale)["profile_chunk_offsets"]
         assert [o for _, o in again] == pytest.approx([0.0], abs=1e-12)
     assert (old / "replay").exists() and not (run / "replay").exists()
-    # its decode passes ran as runs of four (none alone): no lift after a chunk pass to fit,
-    # and none kept from before
+    # its decode passes ran as runs of four (none alone): no graph scales or lift after a
+    # chunk pass to fit, and none kept from before
     lifted = stale | {"profile_after_chunk": [[0.0, 0.1], [0.2, 0.0]]}
-    assert fit_after_chunk([run], plain, lifted) == {k: stale[k] for k in stale}
+    lifted |= {"profile_graph_scales": [[8.0, 1.1]]}
+    assert fit_decode_passes([run], plain, lifted) == stale

@@ -433,15 +433,13 @@ class ProfileCost:
         graph's batches, held at their ends; 1 in a graph without points, or eagerly."""
         scale = self._scales.get(seqs)
         if scale is None:
-            graph = self.graph_batch(seqs)
-            i = bisect.bisect_left(self.graph_batches, graph)
-            low = self.graph_batches[i - 1] if 0 < i < len(self.graph_batches) else 0
-            own = [(b, f) for b, f in self._graph_points if low < b <= graph]
-            if not own or i == len(self.graph_batches):
-                scale = 1.0
-            else:
-                scale = float(np.interp(seqs, [b for b, _ in own], [f for _, f in own]))
-            self._scales[seqs] = scale
+            graph, graphs = self.graph_batch(seqs), self.graph_batches
+            own = []
+            if graph in graphs:  # else eager: no graphs, or above the largest
+                low = graphs[graphs.index(graph) - 1] if graph != graphs[0] else 0
+                own = [(b, f) for b, f in self._graph_points if low < b <= graph]
+            xs, ys = [b for b, _ in own], [f for _, f in own]
+            scale = self._scales[seqs] = float(np.interp(seqs, xs, ys)) if own else 1.0
         return scale
 
     def graph_batch(self, seqs: int) -> int:
@@ -480,7 +478,8 @@ class ProfileCost:
     def decode_line(self, seqs: int, since_chunk_s: float = math.inf) -> tuple[float, float]:
         """(a, b): a decode-only pass of `seqs` sequences with total context K, beginning
         `since_chunk_s` after its node's last pass with a prompt chunk ended, costs a + b*K
-        (its host time and `pass_overhead_s` are in a)."""
+        (its graph's scale and the lift after a chunk pass in both, its host time and
+        `pass_overhead_s` in a)."""
         a, b = self._device_line(self.graph_batch(seqs))
         k = self.decode_scale * (1.0 + self.after_chunk(since_chunk_s)) * self.graph_scale(seqs)
         return k * a + self.host_s(False, seqs), k * b
