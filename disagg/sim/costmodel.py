@@ -278,7 +278,7 @@ class ProfileCost:
     its node's last pass with a prompt chunk to its start (`decode_line`'s `since_chunk_s`),
     interpolated, held before the first point and none from the last (`fades_s`) on: on one
     H200 or H100 a decode pass right after a chunk pass ran 2-4% longer, fading over 150 ms
-    (`disagg validate` measures it; docs/calibration.md, "Decode passes after a chunk pass").
+    (`disagg validate` measures it; docs/calibration.md, "The serving loop").
     `graph_scales` ((batch, factor) points; default none) multiplies the device time of a
     decode-only pass replayed in a CUDA graph (`graph_batch`): the factor interpolated over
     the points whose batch lies in the same graph (above the graph before it), held at their
