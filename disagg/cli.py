@@ -707,6 +707,14 @@ def validate_cmd(
             "judged on their median, their spread reported",
         ),
     ] = 1,
+    calibration_runs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Times each loop calibration run is run (same seed, fresh servers): the "
+            "serving loop's costs are the median of the repeats' fits",
+        ),
+    ] = 1,
     schedulers: Annotated[
         str | None,
         typer.Option(
@@ -766,6 +774,7 @@ def validate_cmd(
         requests=requests,
         grid_points=grid_points,
         hw_runs=hw_runs,
+        calibration_runs=calibration_runs,
         schedulers=tuple(filter(None, (schedulers or "").split(","))),
         overrides=tuple(set_ or []),
         sim_overrides=tuple(sim_set or []),

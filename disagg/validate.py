@@ -115,7 +115,9 @@ class Options:
     `sim_overrides` to the replays only; `grid_points`: values per profiled axis; `resume`:
     keep what an earlier run in the same directory finished (`validate`); `hw_runs`: times
     each hw run is run (the same seed, fresh servers), judged on their median (`hw_dirs`);
-    `schedulers`: colocated scheduler policies each run as well (`with_schedulers`)."""
+    `calibration_runs`: times each loop calibration run is run, the loop's costs the median
+    of the repeats' fits (`measure_loop`); `schedulers`: colocated scheduler policies each
+    run as well (`with_schedulers`)."""
 
     device: str = "cpu"
     wire: str | None = None  # None: tcp on the CPU, cuda on a GPU
@@ -123,6 +125,7 @@ class Options:
     requests: int | None = None
     grid_points: int = 3
     hw_runs: int = 1
+    calibration_runs: int = 1
     schedulers: tuple[str, ...] = ()
     warmup: int = 1
     repeats: int = 5
@@ -137,6 +140,10 @@ class Options:
             raise ConfigError(f"--rates {given!r}: give request rates > 0")
         if self.hw_runs < 1:
             raise ConfigError(f"--hw-runs {self.hw_runs}: run each cell at least once")
+        if self.calibration_runs < 1:
+            raise ConfigError(
+                f"--calibration-runs {self.calibration_runs}: run each calibration at least once"
+            )
         if self.grid_points < 1 or self.repeats < 1 or self.warmup < 0:
             raise ConfigError(
                 f"grid_points={self.grid_points}, repeats={self.repeats}, warmup={self.warmup}: "
@@ -397,7 +404,13 @@ def described(costs: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def measure_loop(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> dict[str, Any]:
+def measure_loop(
+    exps: Sequence[Experiment],
+    out: Path,
+    rates: Sequence[float],
+    runs: int = 1,
+    resume: bool = False,
+) -> dict[str, Any]:
     """The serving loop's costs on this device that a profile of passes leaves out, measured
     on a colocated server (the experiments' colocated one, else the first in that mode)
     serving each of `rates` requests/s, each a workload of its own (the experiment's seed +
@@ -405,19 +418,32 @@ def measure_loop(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) 
     host time per pass follows the load it serves (its scheduler's queues, the messages of
     arrivals and tokens), which a burst of requests at once does not show, and it varies from
     run to run by as much as a tenth (on one H200, 0.58-0.92 ms per decode pass at batch 1), so
-    more than one run is pooled. `loop_costs` of their passes, written to
+    more than one run is pooled. Each load is run `runs` times (fresh servers; `loop_runs`;
+    with `resume`, a run with a summary is kept), and the costs are the median of each
+    repeat's fit (`repeat_loop_costs`): one server process in three has run its host work
+    twice as slowly as the others on the same workload (one H100, 2026-12-05j). Written to
     `out/calibration.json`; the chunk offsets, which are the simulator's to fit, come from
     their replays in `replay_all` (`fit_chunk_offsets`)."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
-    dirs = loop_runs(out, rates)
-    for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
-        run_hw(calibration_run(coloc, coloc.seed + CALIBRATION_SEED + i, rate), where)
-    costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in dirs])
+    repeats = loop_runs(out, rates, runs)
+    for dirs in repeats:
+        for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
+            if not (resume and (where / "summary.json").exists()):
+                run_hw(calibration_run(coloc, coloc.seed + CALIBRATION_SEED + i, rate), where)
+    costs = repeat_loop_costs(repeats)
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
+
+
+def repeat_loop_costs(repeats: Sequence[Sequence[Path]]) -> dict[str, Any]:
+    """`loop_costs` of each repeat's runs (directories), and per cost the median over the
+    repeats: a repeat whose server processes ran slow moves none of them."""
+    fits = [loop_costs([pd.read_parquet(d / "steps.parquet") for d in dirs]) for dirs in repeats]
+    keys = [k for k in fits[0] if all(k in fit for fit in fits)]
+    return {k: float(np.median([fit[k] for fit in fits])) for k in keys}
 
 
 def fit_chunk_offsets(
@@ -475,9 +501,26 @@ def said_after(points: Sequence[Sequence[float]]) -> str:
     return ", ".join(f"{f:+.1%} at {t * 1e3:.3g} ms" for t, f in points)
 
 
-def loop_runs(out: Path, rates: Sequence[float]) -> list[Path]:
-    """Where `measure_loop` under `out` puts its colocated run at each of `rates`."""
-    return [out / f"{rate:g}rps" for rate in rates]
+def loop_runs(out: Path, rates: Sequence[float], runs: int = 1) -> list[list[Path]]:
+    """Where `measure_loop` under `out` puts its colocated run at each of `rates`, each of
+    `runs` times: per repeat k, `RATErps` (k = 1) or `RATErps-k`, one for each rate."""
+    return [
+        [out / f"{rate:g}rps{f'-{k}' if k > 1 else ''}" for rate in rates]
+        for k in range(1, runs + 1)
+    ]
+
+
+def loop_repeat(name: str) -> int | None:
+    """The repeat of a calibration's colocated run from its directory's name (`loop_runs`):
+    1 for `RATErps`, k for `RATErps-k`; None for any other."""
+    rate, sep, k = name.partition("rps")
+    try:
+        float(rate)
+    except ValueError:
+        return None
+    if not sep or not (k == "" or (k[:1] == "-" and k[1:].isdigit())):
+        return None
+    return int(k[1:]) if k else 1
 
 
 WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the cluster
@@ -642,10 +685,18 @@ def calibration_shares(
 
 def calibration_runs(cal: Path) -> tuple[Path | None, list[Path]]:
     """A calibration directory's disaggregated run on one GPU (`measure_share`'s; None
-    without one) and its colocated runs (`measure_loop`'s)."""
+    without one) and its colocated runs (`measure_loop`'s, every repeat)."""
     shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
-    alone = [d for d in sorted(cal.glob("*rps")) if not d.name.startswith("disagg-")]
+    alone = [d for d in sorted(cal.glob("*rps*")) if loop_repeat(d.name) is not None]
     return (shared[-1] if shared else None), alone
+
+
+def by_repeat(alone: Sequence[Path]) -> list[list[Path]]:
+    """A calibration's colocated runs (`calibration_runs`) grouped by repeat, in order."""
+    repeats: dict[int, list[Path]] = {}
+    for d in alone:
+        repeats.setdefault(loop_repeat(d.name) or 1, []).append(d)
+    return [repeats[k] for k in sorted(repeats)]
 
 
 def calibration_decode_scale(
@@ -721,8 +772,9 @@ def validate(
     if opts.resume and (cal / "calibration.json").exists():
         costs, kept = json.loads((cal / "calibration.json").read_text()), ", kept"
     else:
-        costs, kept = measure_loop(exps, cal, ends), ""
-    say(f"serving loop (runs of their own at {loads} req/s): {described(costs)}{kept}")
+        costs, kept = measure_loop(exps, cal, ends, opts.calibration_runs, opts.resume), ""
+    times = f", {opts.calibration_runs} times each" if opts.calibration_runs > 1 else ""
+    say(f"serving loop (runs of their own at {loads} req/s{times}): {described(costs)}{kept}")
     gpu_run = f"shared GPU: a disaggregated run of its own at {max(ends):g} req/s"
     if opts.resume and (share_run(cal, ends) / "summary.json").exists():
         say(f"{gpu_run}, kept")
@@ -842,7 +894,7 @@ def replay_all(
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
     _, alone = calibration_runs(out / "calibration")
     if costs and alone:  # the loop's costs and chunk offsets are the simulator's to fit, anew
-        costs = loop_costs([pd.read_parquet(where / "steps.parquet") for where in alone])
+        costs = repeat_loop_costs(by_repeat(alone))
         say(f"serving loop, on its runs: {described(costs)}")
         costs = fit_chunk_offsets(alone, csv, costs, sim_overrides)
         if "profile_chunk_offsets" in costs:

@@ -489,6 +489,71 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
 
 
+def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fits(
+    tmp_path: Path,
+) -> None:
+    """Three repeats of a calibration at two loads (`loop_runs`: RATErps, then RATErps-k), the
+    second repeat's server processes twice as slow on the host: each cost is the median of
+    the three repeats' fits, the first's and third's, not a fit pooled over all six runs. The
+    calibration's colocated runs are found by repeat (`calibration_runs`, `by_repeat`) among
+    its other directories."""
+    from disagg.validate import (
+        by_repeat,
+        calibration_runs,
+        loop_repeat,
+        loop_runs,
+        repeat_loop_costs,
+    )
+
+    def run(batches: list[int], slow: float) -> pd.DataFrame:
+        host = [slow * (1e-3 + 1e-4 * b) for b in batch_list(batches)]
+        device = [0.01] * len(host)
+        starts = np.cumsum([0.0, *[d + h + 4e-4 for d, h in zip(device, host, strict=True)]])
+        return pd.DataFrame(
+            {
+                "node": "colocated0",
+                "start_s": starts[:-1],
+                "duration_s": [d + h for d, h in zip(device, host, strict=True)],
+                "device_s": device,
+                "batch_size": batch_list(batches),
+                "prefill_tokens": 0,
+            }
+        )
+
+    def batch_list(batches: list[int]) -> list[int]:
+        return [b for b in batches for _ in range(3)]
+
+    cal = tmp_path / "calibration"
+    repeats = loop_runs(cal, [2.5, 10.0], 3)
+    assert [[d.name for d in dirs] for dirs in repeats] == [
+        ["2.5rps", "10rps"],
+        ["2.5rps-2", "10rps-2"],
+        ["2.5rps-3", "10rps-3"],
+    ]
+    for k, dirs in enumerate(repeats, 1):
+        for where, batches in zip(dirs, ([1, 2, 4], [8, 16, 32]), strict=True):
+            where.mkdir(parents=True)
+            run(batches, 2.0 if k == 2 else 1.0).to_parquet(where / "steps.parquet")
+    for other in ("disagg-10rps", "weights", "round-robin"):
+        (cal / other).mkdir()
+    _, alone = calibration_runs(cal)
+    assert sorted(d.name for d in alone) == sorted(d.name for dirs in repeats for d in dirs)
+    assert by_repeat(alone) == [sorted(dirs) for dirs in repeats]
+    assert [loop_repeat(n) for n in ("10rps", "10rps-3", "disagg-10rps", "weights")] == [
+        1,
+        3,
+        None,
+        None,
+    ]
+    costs = repeat_loop_costs(by_repeat(alone))
+    fast = loop_costs([pd.read_parquet(d / "steps.parquet") for d in repeats[0]])
+    assert costs == {k: pytest.approx(v) for k, v in fast.items()}
+    assert costs["profile_host_per_seq_s"] == pytest.approx(1e-4)
+    assert costs["profile_host_s"] == pytest.approx(1.4e-3)  # 1 ms host + the 0.4 ms gap
+    pooled = loop_costs([pd.read_parquet(d / "steps.parquet") for d in alone])
+    assert pooled["profile_host_per_seq_s"] > 1.2e-4  # the slow repeat pulls a pooled fit
+
+
 def test_passes_compare_each_range_of_chunk_tokens_and_of_batch_with_the_replay() -> None:
     """Eight chunk passes of 100-800 tokens in four ranges of two: the run's device time is the
     replay's + 10 ms in the smallest range, + 5 / 0 / -3 ms in the others (the replay's passes
@@ -1167,7 +1232,7 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
     """--hw-runs 2, one load of three requests: each cell's second run is on the first's
     workload (its seed) under hw-2/, the table's hw value is the two runs' median, and the
     spread between them is in hw_spread.csv and fidelity.md; --resume redoes only a second run
-    cut short."""
+    cut short. With --calibration-runs 2 the loop calibration's run is run twice."""
     pytest.importorskip("torch")
     pytest.importorskip("zmq")
     from typer.testing import CliRunner
@@ -1176,9 +1241,12 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
 
     out = tmp_path / "twice"
     args = ["validate", str(TINY), "--requests", "3", "--grid-points", "2", "--set", "hw.wire=tcp"]
-    args += ["--rates", "40", "--hw-runs", "2", "--out", str(out)]
+    args += ["--rates", "40", "--hw-runs", "2", "--calibration-runs", "2", "--out", str(out)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
+    assert "serving loop (runs of their own at 40 req/s, 2 times each)" in res.output
+    for name in ("40rps", "40rps-2"):  # the loop calibration's run and its repeat
+        assert (out / "calibration" / name / "summary.json").exists()
     assert "hw run 2/2: colocated-40rps (colocated, 40 req/s), again (2 of 2)" in res.output
     assert "the same run again: hw moves by up to TTFT p50" in res.output
     table = pd.read_csv(out / "fidelity.csv").set_index(["run", "metric"])
