@@ -229,9 +229,10 @@ def decode_ratios(runs: Sequence[pd.DataFrame], exp: Experiment) -> pd.DataFrame
     for steps in runs:
         if "device_s" not in steps or not has_shapes(steps):
             continue
-        rows = steps.assign(since=since_chunk(steps), shaped=shape_device(steps, exp))
-        pick = (rows.prefill_tokens == 0) & rows.device_s.notna() & rows.shaped.notna()
+        rows = steps.assign(since=since_chunk(steps))  # from every pass, chunk passes too
+        pick = (rows.prefill_tokens == 0) & rows.device_s.notna()
         rows = rows[pick & rows.node.str.startswith("colocated")]
+        rows = rows.assign(shaped=shape_device(rows, exp)).dropna(subset=["shaped"])
         timed.append(rows.assign(ratio=rows.device_s / rows.shaped))
     if not timed:
         return pd.DataFrame({"batch_size": [], "since": [], "ratio": []})

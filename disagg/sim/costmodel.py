@@ -396,29 +396,25 @@ class ProfileCost:
         if run_host is not None and not all(0 <= v < np.inf for v in run_host):
             raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
         self.run_host = run_host
-        xs = [float(n) for n, _ in chunk_offsets]
-        increasing = all(a < b for a, b in itertools.pairwise([0.0, *xs]))
-        if not increasing or not all(np.isfinite(o) for _, o in chunk_offsets):
-            raise ConfigError(
-                f"chunk_offsets {list(chunk_offsets)!r}: give (tokens, seconds) points with "
-                "tokens > 0 increasing and finite seconds"
-            )
-        self._chunk_xs = np.array(xs, float)
-        self._chunk_ys = np.array([float(o) for _, o in chunk_offsets], float)
+        self._chunk_xs, self._chunk_ys = _points(
+            "chunk_offsets",
+            chunk_offsets,
+            0.0,
+            -np.inf,
+            "(tokens, seconds) points with tokens > 0 increasing and finite seconds",
+        )
         if not 0 < decode_scale < np.inf:
             raise ConfigError(f"decode_scale {decode_scale!r}: give a factor > 0")
         self.decode_scale = decode_scale
-        ts = [float(t) for t, _ in after_chunk]
-        lifts = [float(f) for _, f in after_chunk]
-        if not all(a < b for a, b in itertools.pairwise([-1.0, *ts])) or not all(
-            -1 < f < np.inf for f in lifts
-        ):
-            raise ConfigError(
-                f"after_chunk {list(after_chunk)!r}: give (seconds, fraction) points with "
-                "seconds >= 0 increasing and fractions > -1"
-            )
-        self._after_ts, self._after_lifts = np.array(ts, float), np.array(lifts, float)
-        self.fades_s = ts[-1] if ts else 0.0  # decode passes later than this run as profiled
+        self._after_ts, self._after_lifts = _points(
+            "after_chunk",
+            after_chunk,
+            -1.0,
+            -1.0,
+            "(seconds, fraction) points with seconds >= 0 increasing and fractions > -1",
+        )
+        # decode passes later than this run as profiled
+        self.fades_s = float(self._after_ts[-1]) if len(self._after_ts) else 0.0
         filled = df[(df.kind == "decode") & (df.get("graph_batch", 0) == df.batch)]
         self.graph_batches = sorted({int(b) for b in filled.batch}) if graphs else []
         points = sorted((float(b), float(f)) for b, f in graph_scales)
@@ -546,6 +542,20 @@ class ProfileCost:
                 offset += self.mixed_offset(d, n) + self.mixed_context_s * s.decode_context
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
         return t + self.host_s(n > 0, d)
+
+
+def _points(
+    name: str, points: Sequence[tuple[float, float]], below_x: float, below_y: float, give: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """`points` (x, y) as two arrays; a ConfigError naming `name` and saying what to `give`
+    unless each x is above `below_x` and the one before it, and each y above `below_y` and
+    finite."""
+    xs = np.array([float(x) for x, _ in points], float)
+    ys = np.array([float(y) for _, y in points], float)
+    increasing = all(a < b for a, b in itertools.pairwise([below_x, *xs]))
+    if not increasing or not all(below_y < y < np.inf for y in ys):
+        raise ConfigError(f"{name} {list(points)!r}: give {give}")
+    return xs, ys
 
 
 def padded_chunk(pieces: Sequence[int], chunk: int, decode_rows: int) -> int:
