@@ -206,6 +206,45 @@ def test_each_process_of_a_run_has_a_slot_of_its_own_and_too_few_cores_are_said(
     assert said == f"refused: process {cores - 1} of 1 cores each after the first 1, {cores} cores"
 
 
+def test_a_run_s_host_usage_is_read_from_proc_and_differenced(tmp_path: Path) -> None:
+    """A server's records say what took its cores from it during the run: /proc/stat's
+    fields summed over its cores, in seconds; its main thread's context switches; and the
+    time its cores ran anything else (their busy time less its own CPU time)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  9 9 9 9 9 9 9 9 0 0\n"
+        f"cpu0 {tick} 0 {2 * tick} 5 0 {tick} 0 {3 * tick} 0 0\n"
+        f"cpu1 {4 * tick} {tick} 0 5 0 0 {tick} 0 0 0\n"
+        "cpu2 100 100 100 100 100 100 100 100 0 0\n"
+        "intr 1 2 3\n"
+    )
+    spent = latency.cores_time([0, 1], stat)
+    assert spent == {
+        "user": 5.0, "nice": 1.0, "system": 2.0, "idle": 10 / tick, "iowait": 0.0,
+        "irq": 1.0, "softirq": 1.0, "steal": 3.0,
+    }  # fmt: skip
+    assert latency.cores_time([0], tmp_path / "none") == {}
+    status = tmp_path / "status"
+    status.write_text(
+        "Name:\tpython\nvoluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t3\n"
+    )
+    assert latency.switches(status) == (12, 3)
+    assert latency.switches(tmp_path / "none") == (0, 0)
+    before = {"wall_s": 1.0, "user_s": 1.0, "system_s": 0.5, "cores_user_s": 2.0}
+    before |= {"cores_nice_s": 0.0, "cores_system_s": 1.0, "main_switches_forced": 4}
+    after = {"wall_s": 11.0, "user_s": 7.0, "system_s": 1.5, "cores_user_s": 10.0}
+    after |= {"cores_nice_s": 1.0, "cores_system_s": 2.0, "main_switches_forced": 10}
+    # busy 10 s on its cores, of which 7 s its own: 3 s someone else's
+    assert latency.used_between(before, after) == {
+        "cores_nice_s": 1.0, "cores_others_s": 3.0, "cores_system_s": 1.0, "cores_user_s": 8.0,
+        "main_switches_forced": 6, "system_s": 1.0, "user_s": 6.0, "wall_s": 10.0,
+    }  # fmt: skip
+    now = latency.usage()  # this process, for real: the fields a server's records carry
+    assert now["user_s"] + now["system_s"] > 0 and now["main_switches"] >= 0
+    assert set(latency.CORE_FIELDS) <= {k[6:-2] for k in now if k.startswith("cores_")}
+
+
 @pytest.mark.parametrize("plan_ahead", [True, False])
 def test_an_idle_decoder_plans_a_first_pass_only_when_it_is_next(plan_ahead: bool) -> None:
     """The decoder plans a request's first pass at handoff only when that pass will be its next
@@ -295,6 +334,9 @@ def test_disaggregated_equals_colocated(
     assert written["node_settings"]["prefill0"]["warm_up_s"] is None  # on the CPU: no warm-up
     for r in state.records.values():  # weights drawn and pages allocated; no graphs on a CPU
         assert r.settings["build_s"] > 0 and r.settings["capture_s"] == 0
+        used = r.settings["host_during_run"]  # from the driver's Start to the records
+        assert 0 < used["wall_s"] < summary["wall_s"] and used["cores_others_s"] >= 0
+        assert used["user_s"] + used["system_s"] > 0 and used["main_switches"] >= 0
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
     assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump(mode="json")
     assert ran["kv"]["pages"] == 128

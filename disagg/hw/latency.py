@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import struct
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,6 +145,70 @@ def hold_cpu_latency(us: int, path: str = "/dev/cpu_dma_latency") -> str:
     else:
         _cpu_latency["held"] = f"{us} us"  # the descriptor stays open until the process exits
     return _cpu_latency["held"]
+
+
+# /proc/stat's fields of a core, in its order (clock ticks)
+CORE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cores_time(cores: Iterable[int], stat: Path = Path("/proc/stat")) -> dict[str, float]:
+    """Seconds `cores` have spent, all together, in each of /proc/stat's fields since boot
+    (`CORE_FIELDS`; none where the host has no /proc/stat)."""
+    want, tick = {f"cpu{c}" for c in cores}, os.sysconf("SC_CLK_TCK")
+    spent = dict.fromkeys(CORE_FIELDS, 0.0)
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return {}
+    for name, *values in (line.split() for line in lines):
+        if name in want:
+            for field, v in zip(CORE_FIELDS, values, strict=False):
+                spent[field] += int(v) / tick
+    return spent
+
+
+def switches(status: Path = Path("/proc/thread-self/status")) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of the calling thread so far ((0, 0) where
+    the host does not say)."""
+    counts = {}
+    with contextlib.suppress(OSError):
+        for line in status.read_text().splitlines():
+            key, _, value = line.partition(":")
+            counts[key] = value.strip()
+    return (
+        int(counts.get("voluntary_ctxt_switches", 0)),
+        int(counts.get("nonvoluntary_ctxt_switches", 0)),
+    )
+
+
+def usage() -> dict[str, float]:
+    """What this process and its cores have spent so far: its wall clock, its CPU time and
+    context switches (its main thread's too: the serving loop's), and its cores' time by
+    /proc/stat's fields (`cores_time`). Two readings, `used_between`, say what took a
+    server's cores from it during a run."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    voluntary, involuntary = switches()
+    cores = cores_time(os.sched_getaffinity(0))
+    return {
+        "wall_s": time.monotonic(),
+        "user_s": own.ru_utime,
+        "system_s": own.ru_stime,
+        "switches": own.ru_nvcsw,
+        "switches_forced": own.ru_nivcsw,
+        "main_switches": voluntary,
+        "main_switches_forced": involuntary,
+    } | {f"cores_{k}_s": v for k, v in cores.items()}
+
+
+def used_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What was spent between two `usage` readings; and `cores_others_s`, the time its cores
+    ran anything but this process (their user, nice and system time less its own CPU time:
+    another process, or a thread not pinned with it)."""
+    spent = {k: after[k] - before[k] for k in before.keys() & after.keys()}
+    if "cores_user_s" in spent:
+        busy = sum(spent[f"cores_{k}_s"] for k in ("user", "nice", "system"))
+        spent["cores_others_s"] = max(busy - spent["user_s"] - spent["system_s"], 0.0)
+    return {k: round(v, 6) for k, v in sorted(spent.items())}
 
 
 def held() -> dict[str, Any]:

@@ -149,9 +149,12 @@ class Server:
     # -- lifecycle
     def run(self) -> None:
         error = ""
+        began: dict[str, float] = {}  # latency.usage() at the start: what the run took after
         try:
             self.announce()
-            self.handle_early(self.wait_start())
+            early = self.wait_start()
+            began = latency.usage()
+            self.handle_early(early)
             while self.running:
                 self.tick()
         except DisaggError as e:
@@ -171,7 +174,10 @@ class Server:
                 | {"cuda_graphs": self.runner.captured, "graph_error": self.runner.graph_error}
                 | {"build_s": self.build_s, "capture_s": self.runner.capture_s}
                 | {"weights_read": list(self.model.weights_read)}
-                | {"warm_up_s": self.warm_up_s},
+                | {"warm_up_s": self.warm_up_s}
+                | {
+                    "host_during_run": latency.used_between(began, latency.usage()) if began else {}
+                },
                 {
                     "passes_planned_ahead": self.runner.planned_ahead,
                     "graphs_captured_on_demand": self.runner.captured_on_demand,
