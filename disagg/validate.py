@@ -73,6 +73,7 @@ from disagg.share import (
     decode_line,
     decode_scale,
     decode_scale_at_shape,
+    overlap_segments,
     shares,
     shares_at_full_pace,
 )
@@ -318,15 +319,21 @@ def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
     )
 
 
-def busy_passes(steps: pd.DataFrame) -> pd.DataFrame:
+def busy_passes(steps: pd.DataFrame, alone: bool = False) -> pd.DataFrame:
     """`steps`' passes with device times that their node's loop followed at once, each with
-    its loop time (`loop_s`)."""
+    its loop time (`loop_s`). With `alone`, only those that met no pass of the other kind on
+    another node: on a GPU that nodes share, a pass beside another's waits for the GPU
+    outside its device events, which its loop time would count as the host's."""
     if "device_s" not in steps:
         return steps.iloc[:0].assign(loop_s=0.0)
-    return steps.assign(loop_s=loop_s(steps, waited=math.nan)).dropna(subset=["loop_s"])
+    busy = steps.assign(loop_s=loop_s(steps, waited=math.nan))
+    if alone:
+        beside = [*overlap_segments(steps, decode=True), *overlap_segments(steps, decode=False)]
+        busy = busy.drop(index=steps.index[beside])
+    return busy.dropna(subset=["loop_s"])
 
 
-def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
+def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, Any]:
     """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
     all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop time
     is its wall time less its device time, plus the gap until its node's next pass while the
@@ -338,11 +345,13 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
     own fixed part, the median of its loop time less the per-sequence part
     (`profile_host_chunk_s`); and where the runs say when each forward was launched, the median
     part of a pass's loop time before it (`host_before_s`: `profile_host_before`). Without
-    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`)."""
+    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`). With
+    `alone`, over the passes that met no other node's (`busy_passes`), and without a chunk
+    pass among them, no `profile_host_chunk_s`."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
-    timed = pd.concat(map(busy_passes, runs), ignore_index=True)
+    timed = pd.concat([busy_passes(steps, alone) for steps in runs], ignore_index=True)
     decode = timed.prefill_tokens == 0
     if decode.sum() < 2:  # no device times (the CPU), or too few passes to fit
         return {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
@@ -358,6 +367,8 @@ def loop_costs(runs: Sequence[pd.DataFrame]) -> dict[str, Any]:
         "profile_host_chunk_s": max(0.0, float(chunk.median())) if len(chunk) else fixed,
         "profile_host_per_seq_s": float(per_seq),
     }
+    if alone and not len(chunk):
+        del costs["profile_host_chunk_s"]
     if "host_before_s" in timed:  # runs that say when each forward was launched
         split = (timed.host_before_s / loop)[timed.host_before_s.notna() & (loop > 0)]
         if len(split):
@@ -377,11 +388,20 @@ HOST_KEYS = (
 def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     """The host time per pass fitted on hw `runs` of one cell themselves (`loop_costs`' host
     fields), for a replay that tells the host time's part of a cell's error from the rest;
-    empty where the passes have no device times (the CPU)."""
-    costs = loop_costs([pd.read_parquet(run / "steps.parquet") for run in runs])
+    empty where the passes have no device times (the CPU). Runs whose nodes shared one GPU
+    are fitted on the passes that met no other node's (`busy_passes`)."""
+    shared = any(shares_gpu(run) for run in runs)
+    costs = loop_costs([pd.read_parquet(run / "steps.parquet") for run in runs], alone=shared)
     if "profile_host_s" not in costs:  # no device times: no host time either
         return {}
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
+
+
+def shares_gpu(run: Path) -> bool:
+    """Whether the nodes of the hw run `run` shared one GPU (its experiment.json's
+    cluster.shared_gpu; False without one)."""
+    where = run / "experiment.json"
+    return where.exists() and bool(json.loads(where.read_text())["cluster"].get("shared_gpu"))
 
 
 def profiled(csv: Path, costs: dict[str, Any]) -> list[str]:

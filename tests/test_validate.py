@@ -489,6 +489,48 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
 
 
+def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(
+    tmp_path: Path,
+) -> None:
+    """A decode server beside a prefill server on one GPU: its passes alone take 1 ms of host
+    time + 0.1 ms a sequence; those beside a prefill pass wait 6 ms more for the GPU outside
+    their device events, which a fit over every pass takes for host time. `own_host` of a run
+    whose experiment says the GPU was shared fits the passes alone; the prefill server's chunk
+    passes all met a decode pass, so its fit leaves the chunk's host time to the calibration."""
+    batch = [1, 2, 3, 4, 5, 6, 7, 8]
+    beside = [False, False, True, True, False, True, False, False]
+    device = 5e-3
+    starts, start, wall = [], 0.0, []
+    for b, met in zip(batch, beside, strict=True):
+        wall.append(device + 1e-3 + 1e-4 * b + (6e-3 if met else 0.0))
+        starts.append(start)
+        start += wall[-1] + 2e-4  # the next pass 0.2 ms after
+    decode = pd.DataFrame(
+        {"node": "decode0", "start_s": starts, "duration_s": wall, "device_s": device}
+    ).assign(batch_size=batch, prefill_tokens=0)
+    # one prefill pass over the third and fourth decode passes (and the gap between them)
+    first, last = starts[2] + 1e-3, starts[3] + wall[3] - 1e-3
+    prefill = pd.DataFrame(
+        {"node": "prefill0", "start_s": [first], "duration_s": [last - first]}
+    ).assign(device_s=0.9 * (last - first), batch_size=1, prefill_tokens=2048)
+    # the sixth decode pass meets a prefill pass too
+    more = prefill.assign(start_s=starts[5] + 1e-3, duration_s=wall[5] - 2e-3)
+    steps = pd.concat([decode, prefill, more], ignore_index=True)
+    run = tmp_path / "disagg"
+    run.mkdir()
+    steps.to_parquet(run / "steps.parquet")
+    pooled = own_host([run])  # no experiment.json: not known to share a GPU
+    assert pooled["profile_host_s"] > 2e-3
+    (run / "experiment.json").write_text(json.dumps({"cluster": {"shared_gpu": True}}))
+    assert own_host([run]) == {
+        "profile_pass_overhead_s": 0.0,
+        "profile_host_s": pytest.approx(1.2e-3),  # 1 ms + the 0.2 ms gap
+        "profile_host_per_seq_s": pytest.approx(1e-4),
+    }
+    (run / "experiment.json").write_text(json.dumps({"cluster": {"shared_gpu": False}}))
+    assert own_host([run]) == pooled
+
+
 def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fits(
     tmp_path: Path,
 ) -> None:
