@@ -46,7 +46,8 @@
 # machine keeps it between calls), so each later server of the model and seed reads them.
 # gpu.txt also holds the host's cores (lscpu -e), and each one's interrupts and time (/proc/stat:
 # irq, softirq, steal) at the start and the end.
-# The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball.
+# The device tool returns at most 8 files from $OUT: the runs' own tables go into one tarball
+# (without their trace.json, which `disagg trace RUN_DIR` writes again).
 set -uo pipefail
 P=${1:-0}; D=${2:-0}; OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 RUNS=$(mktemp -d); LOG="$OUT/session.log"
@@ -101,7 +102,7 @@ cp "$RUNS"/hop/control_hop.md "$OUT"/ 2>/dev/null
   --run experiments/llama8b-h200.toml --device "cuda:$D" "${SHARE_FLAGS[@]}" --out "$RUNS/share" \
   2>&1 | grep -v -e '^|' -e CudaIPCTypes | tail -12 | tee -a "$LOG"  # each variant's TTFT line
 [ -z "${SHARE:-}" ] || { cp "$RUNS"/share/shared_gpu.md "$OUT"/ 2>/dev/null
-  tar -cJf "$OUT/share.tar.xz" -C "$RUNS" share; }
+  tar -cJf "$OUT/share.tar.xz" --exclude=trace.json -C "$RUNS" share; }
 [ -z "${PIECES:-}" ] || timeout 300 python3 benchmarks/prefill_pieces.py --device "$D" \
   --out "$RUNS/pieces" 2>&1 | tail -16 | tee -a "$LOG"
 cp "$RUNS"/pieces/prefill_pieces.md "$OUT"/ 2>/dev/null
@@ -122,7 +123,7 @@ if [ -n "${MOE:-}" ]; then
       --set "cost.source=profile:$RUNS/moe/profile.csv" --out "$RUNS/moe/simprof-$MODE" 2>&1 \
       | tail -3 | tee -a "$LOG"
   done
-  tar -cJf "$OUT/moe.tar.xz" -C "$RUNS" moe
+  tar -cJf "$OUT/moe.tar.xz" --exclude=trace.json -C "$RUNS" moe
 fi
 [ -z "${SPREAD:-}" ] || timeout "${SPREAD_TIMEOUT:-300}" python3 benchmarks/host_spread.py \
   "${SPREAD_EXP:-experiments/llama8b-h200.toml}" --device "cuda:$D" "${SPREAD_FLAGS[@]}" --out "$RUNS/spread" 2>&1 \
@@ -148,12 +149,12 @@ if [ -n "${VALIDATE:-}" ]; then
   echo "validate: ${VT} s of the call left" | tee -a "$LOG"
   timeout "$(( VT > 1 ? VT : 1 ))" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
     --device "cuda:$D" --out "$VALIDATE_OUT" "${VALIDATE_FLAGS[@]}" 2>&1 | tail -40 | tee -a "$LOG"
-  tar -cJf "$OUT/validate.tar.xz" --exclude='*.parquet.tmp' -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
+  tar -cJf "$OUT/validate.tar.xz" --exclude='*.parquet.tmp' --exclude=trace.json -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
 fi
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_hw_attention.py tests/test_hw_runner.py tests/test_hw_disagg.py tests/test_hw_model.py \
   tests/test_hw_transport_cuda.py tests/test_hw_moe.py tests/test_kvcache.py tests/test_hw_profile.py \
   tests/test_hw_tp_cuda.py tests/test_hw_overlap.py tests/test_hw_pieces.py -k "${TESTS:-gpu or flashinfer or cuda}" 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
-tar -cJf "$OUT/runs.tar.xz" --exclude='*.parquet.tmp' -C "$RUNS" . 2>/dev/null
+tar -cJf "$OUT/runs.tar.xz" --exclude='*.parquet.tmp' --exclude=trace.json -C "$RUNS" . 2>/dev/null
 irqs "at the end"
 true
