@@ -17,6 +17,9 @@
 # moe_bench.py, a profile of the cut Qwen3-30B-A3B, qwen3moe-h200-1p3d against its colocated
 # twin on the one GPU, and both replayed in the simulator (roofline and profile), about 5 min
 # (MOE_BENCH=0 leaves moe_bench.py out).
+# CPUSPREAD=1 adds benchmarks/process_spread.py before the benchmarks and validate (about 1 min,
+# no GPU): how fast the host's cores 0-1 run one pure host workload in six fresh processes, two
+# 2 s windows each, which moved by a quarter to a half on a lent H100's host (2026-12-05k).
 # SPREAD=1 adds benchmarks/host_spread.py (SPREAD_ARGS: its flags; SPREAD_TIMEOUT: seconds,
 # default 300; SPREAD_EXP: its experiment, default experiments/llama8b-h200.toml): a server's
 # host time per pass, run to run, by its cores and the driver's, and after a profile. VALIDATE_TIMEOUT caps validate's seconds; it never gets more than the call has left.
@@ -80,6 +83,9 @@ irqs() { awk -v when="$1" 'NR == 1 { n = NF; next }
 lscpu -e >>"$OUT/gpu.txt" 2>&1; irqs "at the start"
 [ "${PREBUILD:-}" = none ] || python3 tools/flashinfer_prebuild.py \
   --models "${PREBUILD:-llama-3.1-8b,deepseek-v3}" 2>&1 | tail -20 | tee -a "$LOG"
+# the host's cores, no GPU: how fast one host workload runs, process by process (about 1 min)
+[ -z "${CPUSPREAD:-}" ] || timeout 120 python3 benchmarks/process_spread.py --procs 6 --windows 2 \
+  --window-s 2 --out "$OUT/process_spread.md" 2>&1 | tail -4 | tee -a "$LOG"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 benchmarks/gpu_bench.py "${BENCH_FLAGS[@]}" --prefill-device "$P" \
   --decode-device "$D" --out "$RUNS/bench" 2>&1 | cut -c1-600 | tail -20 | tee -a "$LOG"
 cp "$RUNS"/bench/bench.md "$RUNS"/bench/bench.json "$OUT"/ 2>/dev/null

@@ -1,15 +1,17 @@
-"""Whether a fresh Python process runs the same host work at its own speed, with no GPU: the
-serving loop's time per pass moved by a quarter from one server process to the next on one
-workload (12-05j, 12-05k), with its host quiet.
+"""How fast this machine's cores run one pure host workload, process by process and second by
+second, with no GPU: what a server's serving loop gets from its host.
 
-    python process_spread.py --procs 8 --windows 3 --window-s 3 [--cores 0,1] [--out FILE.md]
+    python benchmarks/process_spread.py --procs 6 --windows 2 --window-s 2 [--cores 0,1] [--out F]
 
-Runs `--procs` processes one after another, each pinned to `--cores`, half of them with
-PYTHONHASHSEED=0 (string hashing fixed) and half without (each its own, as servers run). Each
-times the same work (`work`: objects, dicts, a sort, and small torch CPU tensors, as a batch is
-built) in `--windows` windows of `--window-s` seconds, and reports its passes per second in
-each. A spread between processes much wider than within each says the speed is the process's
-(its layout in memory, its string hashes), not the time the host gave it.
+Runs `--procs` processes one after another, each pinned to `--cores` (a server's, by default),
+every other one with PYTHONHASHSEED=0 (string hashing fixed; the others each their own, as
+servers run). Each times the same work (`work`: objects, dicts, a sort and small torch CPU
+tensors, as a batch is built) in `--windows` windows of `--window-s` seconds and reports its
+passes per second in each; a line per process as it ends (on stdout and in `--out`), so a run
+cut short keeps what it measured. On a lent GPU machine (one H100's host, 2026-12-05k) six
+processes ran 27-36% apart and one process up to 46% apart from one window to the next, with no
+steal the guest could see; on this project's CPU machine, 1.5%. `gpu_session.sh` runs it with
+CPUSPREAD=1 (about a minute).
 """
 
 from __future__ import annotations
@@ -75,10 +77,16 @@ def main() -> None:
         os.sched_setaffinity(0, {int(c) for c in a.cores.split(",")})
         child(a.windows, a.window_s)
         return
-    lines = [
-        "| process | PYTHONHASHSEED | passes/s by window | spread within |",
-        "|---:|---|---|---:|",
-    ]
+    out = open(a.out, "w") if a.out else None  # noqa: SIM115 (written line by line)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    say("| process | PYTHONHASHSEED | passes/s by window | spread within |")
+    say("|---:|---|---|---:|")
     means: dict[str, list[float]] = {"0": [], "random": []}
     for i in range(a.procs):
         env = dict(os.environ)
@@ -88,23 +96,20 @@ def main() -> None:
             env["PYTHONHASHSEED"] = "0"
         argv = [sys.executable, __file__, "--child", "--windows", str(a.windows)]
         argv += ["--window-s", str(a.window_s), "--cores", a.cores]
-        rates = json.loads(
-            subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-        )
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+        rates = json.loads(done.stdout)
         means[seed].append(statistics.mean(rates))
         within = max(rates) / min(rates) - 1
-        lines.append(f"| {i} | {seed} | {' / '.join(f'{r:.0f}' for r in rates)} | {within:.1%} |")
+        say(f"| {i} | {seed} | {' / '.join(f'{r:.0f}' for r in rates)} | {within:.1%} |")
     for seed, m in means.items():
         if m:
-            lines.append(
+            spread = max(m) / min(m) - 1
+            say(
                 f"\nPYTHONHASHSEED {seed}: process means {min(m):.0f}-{max(m):.0f} passes/s,"
-                f" spread {max(m) / min(m) - 1:.1%}"
+                f" spread {spread:.1%}"
             )
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":
