@@ -162,8 +162,9 @@ class ClusterConfig(_Frozen):
     # disagg validate measures both)
     decode_share: float = Field(default=0.5, gt=0.0, lt=1.0)
     prefill_share: float | None = Field(default=None, gt=0.0, le=1.0)
-    # and the work a pass with a prompt chunk adds there when it starts beside another node's
-    # pass: a fixed cost of sharing, whatever the chunk (sim/gpu.py; disagg validate fits it)
+    # and the work a pass with a prompt chunk adds there once it meets another node's pass, at
+    # its start or later: a fixed cost of sharing, whatever the chunk (sim/gpu.py; disagg
+    # validate fits it)
     chunk_extra_s: float = Field(default=0.0, ge=0.0)
     # set: the passes there take turns kernel by kernel instead, each advancing at its time
     # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and

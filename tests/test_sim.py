@@ -316,10 +316,12 @@ def _ends(
     share: float,
     prefill: float | None = None,
     switch_s: float | None = None,
+    extra: float = 0.0,
 ) -> list[float]:
-    """When each (start, seconds alone, decode-only) pass ends on a SharedGPU."""
+    """When each (start, seconds alone, decode-only) pass ends on a SharedGPU (`extra`: its
+    chunk_extra_s)."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill, switch_s)
+    gpu = SharedGPU(env, share, prefill, switch_s, chunk_extra_s=extra)
 
     def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
         yield start
@@ -371,6 +373,23 @@ def test_a_gpu_whose_passes_fill_each_others_gaps_does_more_than_one_alone() -> 
         [2e-3 / 0.55, 2e-3 / 0.55 + 2e-3], abs=1e-12
     )
     assert _ends([(0.0, 30e-3, False)], 0.25, 0.85) == pytest.approx([30e-3], abs=1e-15)
+
+
+def test_a_chunk_pass_takes_the_extra_once_it_meets_another_pass() -> None:
+    """Hand arithmetic, decode share 0.25, prefill share 1 (capacity 1.25: the chunk pass runs
+    at full pace, a decode beside it at 0.25) and a chunk extra of 10 ms. A 30 ms chunk pass
+    from 0 meets a 6 ms decode begun at 10 ms: 20 ms left + 10 extra, so it ends at 40 ms, and
+    the decode at 10 + 6 / 0.25 = 34. Begun beside a decode, it has the extra from its start,
+    once: a second decode begun at 25 ms (ending at 25 + 2 / 0.25 = 33) adds none. Meeting no
+    pass, it takes its time."""
+    late = [(0.0, 30e-3, False), (10e-3, 6e-3, True)]
+    assert _ends(late, 0.25, 1.0, extra=10e-3) == pytest.approx([40e-3, 34e-3], abs=1e-12)
+    beside = [(0.0, 6e-3, True), (0.0, 30e-3, False), (25e-3, 2e-3, True)]
+    assert _ends(beside, 0.25, 1.0, extra=10e-3) == pytest.approx([24e-3, 40e-3, 33e-3], abs=1e-12)
+    assert _ends([(0.0, 30e-3, False)], 0.25, 1.0, extra=10e-3) == pytest.approx([30e-3])
+    # a chunk pass after it, begun alone at 45 ms and met by nothing: its time
+    after = [*late, (45e-3, 30e-3, False)]
+    assert _ends(after, 0.25, 1.0, extra=10e-3)[2] == pytest.approx(75e-3, abs=1e-12)
 
 
 def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:

@@ -13,10 +13,12 @@ than alone. Two rules say how much; a pass alone always runs at full speed.
   capacity, the two weights' sum, at most at full speed (`pace`). Unset, prefill_share is
   1 - decode_share, so the capacity is 1 and the GPU's work is conserved; above that, passes
   beside each other do more than one GPU's work alone would. A pass with a prompt chunk that
-  starts beside another pass also has `cluster.chunk_extra_s` more work to do, whatever its
-  chunk: on one H100, a prefill pass beside a decode server took its time alone at nearly full
-  pace plus about 50 ms, 256 tokens or 2,048, eager or in pieces, its KV sent layer by layer
-  or whole (docs/calibration.md)."""
+  meets another pass, beside it at its start or begun later, also has `cluster.chunk_extra_s`
+  more work to do, once, whatever its chunk: on one H100, a prefill pass beside a decode
+  server took its time alone at nearly full pace plus about 50 ms, 256 tokens or 2,048, eager
+  or in pieces, its KV sent layer by layer or whole; and a 2,048-token pass that began alone
+  and then met a decode pass took as long as one that began beside it, on an H100 and an H200
+  (docs/calibration.md)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class SharedGPU:
         self.host_before = host_before  # the part of a pass's host time before its device time
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
+        self.alone: set[Signal] = set()  # passes with a chunk that have met no other pass yet
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
         self.shared = 0  # passes that ran beside another
@@ -81,6 +84,13 @@ class SharedGPU:
         another pass, `chunk_extra_s` more."""
         return seconds + (self.chunk_extra_s if self.running and not decode_only else 0.0)
 
+    def _meet(self) -> None:
+        """A pass begins: the passes with a chunk that began alone and have met no other pass
+        until now take `chunk_extra_s` more work."""
+        for p in self.alone:
+            self.running[p][0] += self.chunk_extra_s
+        self.alone.clear()
+
     def expected_s(self, seconds: float, decode_only: bool) -> float:
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
@@ -100,6 +110,9 @@ class SharedGPU:
         self._advance()
         done, t0 = env.event(), env._now
         work = self.work_s(seconds, decode_only)
+        self._meet()
+        if not decode_only and not self.running:
+            self.alone.add(done)
         self.running[done] = [work, self.weight(work, decode_only)]
         self._schedule()
         yield done
@@ -133,5 +146,6 @@ class SharedGPU:
             return  # a pass began or ended since this timer was set
         self._advance()
         del self.running[first]
+        self.alone.discard(first)
         first.succeed()
         self._schedule()
