@@ -1,9 +1,11 @@
 """An experiment, not kept: a decode pass on a shared GPU that finishes while a pass with a
 prompt chunk has at most HOLD seconds of work left ends with that pass instead, taking no share
-meanwhile (`SharedGPU` patched here). Each validate directory given is copied under OUT (its
-sim-* replays left out) and replayed there, the shares fitted again with the hold in place.
+meanwhile (`SharedGPU._end` patched here). Each validate directory given is copied under OUT
+(its sim-* replays left out) and replayed there, the shares fitted again with the hold in
+place. LATE=0 takes back the chunk extra for a chunk pass met after it began (`SharedGPU._meet`,
+9a2b4c6), as the rule stood when the hold was first tried.
 
-    HOLD=0.006 python hold_experiment.py OUT VALIDATE_DIR...
+    HOLD=0.006 [LATE=0] python hold_experiment.py OUT VALIDATE_DIR...
 """
 
 import contextlib
@@ -16,31 +18,32 @@ import disagg.sim.gpu as G
 from disagg.cli import app
 
 HOLD = float(os.environ.get("HOLD", "0"))
-orig_run, orig_init = G.SharedGPU.run, G.SharedGPU.__init__
+gpu_init, gpu_work_s = G.SharedGPU.__init__, G.SharedGPU.work_s
+
+
+class Running(dict):
+    """A SharedGPU's running passes, each one's kind (decode-only or not) kept as `run` adds
+    it: `work_s`, which `run` calls just before, says it."""
+
+    def __init__(self, gpu):
+        super().__init__()
+        self.gpu = gpu
+
+    def __setitem__(self, key, value):
+        if key not in self:
+            self.gpu.kind[key] = self.gpu.pending
+        super().__setitem__(key, value)
 
 
 def init(self, *a, **k):
-    orig_init(self, *a, **k)
-    self.kind = {}
-    self.held = {}
+    gpu_init(self, *a, **k)
+    self.kind, self.held, self.pending = {}, {}, True
+    self.running = Running(self)
 
 
-def run(self, seconds, decode_only, host_s=None):
-    env, before = self.env, self.host_before
-    if host_s is not None:
-        yield host_s * before
-    self._advance()
-    done, t0 = env.event(), env._now
-    work = self.work_s(seconds, decode_only)
-    self.running[done] = [work, self.weight(work, decode_only)]
-    self.kind[done] = decode_only
-    self._schedule()
-    yield done
-    if env._now - t0 > seconds * (1 + 1e-9):
-        self.shared += 1
-        self.lost_s += env._now - t0 - seconds
-    if host_s is not None and before < 1:
-        yield host_s * (1 - before)
+def work_s(self, seconds, decode_only):
+    self.pending = decode_only
+    return gpu_work_s(self, seconds, decode_only)
 
 
 def _end(self, turn, first):
@@ -48,9 +51,9 @@ def _end(self, turn, first):
         return
     self._advance()
     del self.running[first]
-    decode = self.kind.pop(first)
+    self.alone.discard(first)
     holder = None
-    if decode and HOLD > 0:
+    if self.kind.pop(first) and HOLD > 0:  # a decode pass: held by a chunk pass near its end
         holder = next(
             (s for s, p in self.running.items() if not self.kind[s] and p[0] <= HOLD), None
         )
@@ -63,7 +66,9 @@ def _end(self, turn, first):
     self._schedule()
 
 
-G.SharedGPU.__init__, G.SharedGPU.run, G.SharedGPU._end = init, run, _end
+G.SharedGPU.__init__, G.SharedGPU.work_s, G.SharedGPU._end = init, work_s, _end
+if os.environ.get("LATE", "1") == "0":
+    G.SharedGPU._meet = lambda self: self.alone.clear()
 
 out = Path(sys.argv[1])
 for src in sys.argv[2:]:
