@@ -336,6 +336,7 @@ def test_disaggregated_equals_colocated(
         assert r.settings["build_s"] > 0 and r.settings["capture_s"] == 0
         used = r.settings["host_during_run"]  # from the driver's Start to the records
         assert 0 < used["wall_s"] < summary["wall_s"] and used["cores_others_s"] >= 0
+        assert {f"cores_{k}_s" for k in latency.CORE_FIELDS} <= used.keys()  # /proc/stat read
         assert used["user_s"] + used["system_s"] > 0 and used["main_switches"] >= 0
     ran = json.loads((tmp_path / "disagg" / "experiment.json").read_text())
     assert ran["hw"]["latency"] == build_experiment(data).hw.latency.model_dump(mode="json")
