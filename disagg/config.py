@@ -226,7 +226,8 @@ class TransferConfig(_Frozen):
     # decode-first: the decoder reserves pages, then hands the request to prefill; parallel: the
     # router sends it to both, prefill starts at once and sends its KV once the pages are known
     handoff: Literal["decode-first", "parallel"] = "decode-first"
-    control_latency_s: float = Field(default=100e-6, ge=0)  # request handoff message
+    # a control message's hop: the driver's request to its server, and each between servers
+    control_latency_s: float = Field(default=100e-6, ge=0)
     timeout_s: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
 

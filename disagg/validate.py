@@ -13,7 +13,8 @@ Stages, each announced through `say`:
    shares, and the round robin's switch cost) and gets the one whose replay of that run
    comes closer to it
    (`calibration_shares`), and the speed of its decode server's passes that met no prefill
-   pass (`calibration_decode_scale`);
+   pass (`calibration_decode_scale`); and every replay takes the control plane's hop measured
+   on the calibration runs (`control_hop`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; then
    the colocated one under each of `schedulers` (`with_schedulers`); each run `hw_runs` times
@@ -82,6 +83,7 @@ from disagg.validate_passes import (
     chunk_offsets,
     graph_scales,
     has_shapes,
+    idle_hops,
     loop_s,
     pass_gaps,
     pass_offsets,
@@ -309,6 +311,7 @@ def measure_profile(exps: Sequence[Experiment], opts: Options, csv: Path) -> pd.
 
 
 CALIBRATION_SEED = 1  # added to the experiment's seed: the loop calibration's own workloads
+MIN_HOPS = 5  # control-plane hops between passes that the calibration runs need to measure it
 
 
 def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
@@ -395,6 +398,17 @@ def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     if "profile_host_s" not in costs:  # no device times: no host time either
         return {}
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
+
+
+def control_hop(runs: Sequence[Path]) -> tuple[float, int] | None:
+    """The control plane's hop on this host, from hw `runs` (directories): the median of
+    their hops that met no pass (`idle_hops`), and how many; None with fewer than MIN_HOPS.
+    On one H100 a request's message took 0.65-0.8 ms where the simulator's default is 0.1 ms,
+    twice on the way to a disaggregated prefill (2026-12-05k)."""
+    tables = [(r / "hops.parquet", r / "steps.parquet") for r in runs]
+    hops = [idle_hops(pd.read_parquet(h), pd.read_parquet(s)) for h, s in tables if h.exists()]
+    pooled = np.concatenate([np.empty(0), *hops])
+    return (float(np.median(pooled)), len(pooled)) if len(pooled) >= MIN_HOPS else None
 
 
 def shares_gpu(run: Path) -> bool:
@@ -900,8 +914,9 @@ def replay_all(
     """Stages 3 and 4 over a validate directory's hw runs (`out/hw`, in `runs.json`'s order),
     its profile and its loop calibration, with the loop's costs (`loop_costs`) and the chunk
     offsets (what the simulator leaves out of a chunk pass) fitted anew on the calibration's
-    colocated runs: `disagg validate --replay` redoes them after a change to the simulator or
-    the fits, without the device."""
+    colocated runs, and the control plane's hop on all its runs (`control_hop`): `disagg
+    validate --replay` redoes them after a change to the simulator or the fits, without the
+    device."""
     hw = out / "hw"
     order = out / "runs.json"
     labels = (
@@ -912,7 +927,12 @@ def replay_all(
         raise ConfigError(f"{out}: not a validate directory (needs hw/ runs and profile.csv)")
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
-    _, alone = calibration_runs(out / "calibration")
+    shared, alone = calibration_runs(out / "calibration")
+    hop = control_hop([*alone, *([shared] if shared else [])])
+    if hop is not None:  # the host's, not the cost model's: every replay takes it
+        said = f"{hop[0] * 1e3:.3g} ms (the median of {hop[1]} that met no pass)"
+        say(f"control plane, on its runs: a request's message takes {said}")
+        sim_overrides = [f"transfer.control_latency_s={hop[0]!r}", *sim_overrides]
     if costs and alone:  # the loop's costs and chunk offsets are the simulator's to fit, anew
         costs = repeat_loop_costs(by_repeat(alone))
         say(f"serving loop, on its runs: {described(costs)}")

@@ -1,8 +1,8 @@
 """A hw run's passes against the cost model, for `disagg validate`: the run's passes and its
 replay's side by side by size (`pass_table`, `pass_report`), each pass at its own shape by the
 profile (`shape_device`), what passes with a prompt chunk take beyond it (`pass_offsets`;
-`chunk_offsets` for steps tables from before the shape columns), and each pass's loop time
-(`loop_s`). No torch.
+`chunk_offsets` for steps tables from before the shape columns), each pass's loop time
+(`loop_s`), and how long a control message takes between passes (`idle_hops`). No torch.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ PASS_COLUMNS = [
     *("hw_device_s", "sim_device_s", "hw_loop_s", "sim_loop_s", "shape_device_s"),
     "hw_before_s",
 ]
+SENDS = ("sent", "handed_off")  # the hops table's events that send a request on
 
 
 def _ranges(values: pd.Series, bins: int) -> list[tuple[float, float, bool]]:
@@ -71,6 +72,26 @@ def loop_s(steps: pd.DataFrame, waited: float = 0.0) -> pd.Series:
     gaps = pass_gaps(steps).reindex(steps.index)
     busy = gaps.where(gaps <= BUSY_GAP_S, waited).fillna(waited)
     return steps.duration_s - steps.device_s + busy
+
+
+def idle_hops(hops: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
+    """A hw run's control-plane hops (s) that met no pass: for each request a server took
+    (`hops`' "received"), the time since the message was sent (the driver's "sent", or a
+    decoder's "handed_off" to its prefill node), where the server ran no pass meanwhile (one
+    that did took it once the pass had ended, as the simulator's servers do too)."""
+    hops = hops.sort_values(["request_id", "t_s"], kind="stable")
+    sent = hops.t_s.where(hops.event.isin(SENDS)).groupby(hops.request_id).ffill()
+    taken = hops[(hops.event == "received") & sent.notna()]
+    out = [np.empty(0)]
+    for node, rows in taken.groupby("node"):
+        mine = steps[steps.node == node].sort_values("start_s")
+        starts = mine.start_s.to_numpy()
+        ends = starts + mine.duration_s.to_numpy()
+        a, b = sent[rows.index].to_numpy(), rows.t_s.to_numpy()
+        last = np.searchsorted(starts, b) - 1  # the node's last pass to start before b
+        met = (last >= 0) & (ends[np.maximum(last, 0)] > a)
+        out.append((b - a)[~met])
+    return np.concatenate(out)
 
 
 def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:

@@ -175,9 +175,9 @@ def test_sim_sweep_over_numbers_and_over_choices(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "h" / "sweep.csv")
     assert df["transfer.handoff"].tolist() == ["decode-first", "parallel"]
-    # parallel handoff takes the 5 ms control hop off the prefill's start, but the decoder's
-    # pages, landing mid-pass, are posted after the pass: TTFT p50 gains part of the hop
-    assert 0.0005 < df.ttft_s_p50[0] - df.ttft_s_p50[1] < 0.005
+    # parallel handoff takes the decoder's 5 ms control hop (and its wait for its pass in
+    # flight) off the prefill's start: TTFT p50 gains (test_sim says by how much)
+    assert df.ttft_s_p50[0] - df.ttft_s_p50[1] > 0.0005
     assert (tmp_path / "h" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = runner.invoke(
         app, [*short, "--param", "workload.rate_per_s", "--values", "1,2",

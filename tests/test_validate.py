@@ -34,7 +34,7 @@ from disagg.fidelity import (
     spread_table,
     widest_spreads,
 )
-from disagg.validate import calibration_run, loop_costs, own_host, start_parts
+from disagg.validate import calibration_run, control_hop, loop_costs, own_host, start_parts
 from disagg.validate_passes import (
     PASS_COLUMNS,
     after_chunk,
@@ -42,6 +42,7 @@ from disagg.validate_passes import (
     graph_ranges,
     graph_scales,
     has_shapes,
+    idle_hops,
     pass_gaps,
     pass_offsets,
     pass_table,
@@ -432,6 +433,62 @@ def test_pass_gaps_are_each_nodes_idle_time_between_its_passes() -> None:
     )
     # a: 0-1, 1.25-1.75, 3-4 -> gaps 0.25, 1.25; b: 0.5-0.625, 0.75-1 -> gap 0.125
     assert sorted(pass_gaps(steps)) == [0.125, 0.25, 1.25]
+
+
+def _hops(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=["request_id", "node", "event", "t_s"])
+
+
+def _passes(rows: list[tuple[str, float, float]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=["node", "start_s", "duration_s"])
+
+
+def test_idle_hops_are_the_messages_a_server_took_between_its_passes() -> None:
+    hops = _hops(
+        [
+            (2, "driver", "sent", 3.0),  # disaggregated: two hops, both between passes
+            (2, "decode0", "received", 3.0008),
+            (2, "decode0", "handed_off", 3.001),
+            (2, "prefill0", "received", 3.0016),
+            (2, "prefill0", "pages", 3.0017),  # not a send
+            (0, "driver", "sent", 1.0),  # between colocated0's passes
+            (0, "colocated0", "received", 1.0007),
+            (1, "driver", "sent", 2.0),  # taken at the end of the pass it met
+            (1, "colocated0", "received", 2.05),
+            (3, "driver", "sent", 4.0),  # a pass began before it was taken
+            (3, "colocated0", "received", 4.003),
+        ]
+    )
+    steps = _passes(
+        [
+            ("colocated0", 0.5, 0.4),
+            ("colocated0", 1.001, 0.049),
+            ("colocated0", 1.99, 0.059),
+            ("colocated0", 4.001, 0.001),
+            ("decode0", 2.5, 0.4),
+            ("prefill0", 3.5, 0.1),
+        ]
+    )
+    assert sorted(idle_hops(hops, steps)) == pytest.approx([0.0006, 0.0007, 0.0008])
+
+
+def test_the_control_hop_is_the_median_of_the_runs_idle_hops(tmp_path: Path) -> None:
+    runs = []
+    for k, took in enumerate([(0.5e-3, 0.6e-3, 0.7e-3), (0.9e-3, 1.1e-3, 2e-3)]):
+        hops = [
+            (i, n, e, t)
+            for i, d in enumerate(took)
+            for n, e, t in [("driver", "sent", float(i)), ("colocated0", "received", i + d)]
+        ]
+        runs.append(tmp_path / f"run{k}")
+        runs[-1].mkdir()
+        _hops(hops).to_parquet(runs[-1] / "hops.parquet")
+        _passes([("colocated0", i + 0.5, 0.1) for i in range(3)]).to_parquet(
+            runs[-1] / "steps.parquet"
+        )
+    assert control_hop(runs) == (pytest.approx(0.8e-3), 6)
+    assert control_hop(runs[:1]) is None  # three hops: too few to say
+    assert control_hop([tmp_path / "none"]) is None  # no hops table (an older run)
 
 
 def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: Path) -> None:
@@ -1193,6 +1250,13 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
         assert calibrated["workload"]["rate_per_s"] == (20, 60)[i - 1]
         assert len(pd.read_parquet(where / "requests.parquet")) == 4
     assert "serving loop (runs of their own at 20 and 60 req/s)" in res.output
+    # the control plane's hop on these runs, where they took enough between passes, goes into
+    # every replay (else the simulator's default)
+    hop = control_hop(loops)
+    for source in ("sim-profile", "sim-roofline"):
+        took = json.loads((out / source / "disagg-60rps" / "experiment.json").read_text())
+        assert took["transfer"]["control_latency_s"] == (1e-4 if hop is None else hop[0])
+    assert ("control plane, on its runs: a request's message takes" in res.output) == bool(hop)
     loop = json.loads((out / "calibration" / "calibration.json").read_text())
     gaps = pd.concat([pass_gaps(pd.read_parquet(where / "steps.parquet")) for where in loops])
     # on the CPU passes have no device time: the gap only, the profile's host_s (0) kept

@@ -523,16 +523,27 @@ class Sim:
                 req.fail(f"no {'colocated' if self.colocated else 'decode'} node is alive")
                 self.finished += 1
                 self.failed_at_s.append(self.env._now)
-            elif self.colocated:
-                self.colocated[node].deliver(partial(self.colocated[node].role.submit, req))
-            else:
-                self.decodes[node].deliver(partial(self._submit, self.decodes[node], req))
+                continue
+            req.decode_node = node  # (it fails with its node if that dies before it arrives)
+            if self.colocated:
+                coloc = self.colocated[node]
+                self._send(coloc, partial(coloc.role.submit, req))
+            elif self.exp.transfer.handoff == "parallel":  # to both at once
+                decode, prefill = self.decodes[node], self.route(req)
+                to_prefill = partial(self.prefills[prefill].role.submit, req.id, a.prompt_tokens)
+                self._send(self.prefills[prefill], partial(to_prefill, node))
+                self._send(decode, partial(decode.role.submit, req, prefill))
+            else:  # decode-first: the decoder hands it to a prefill node
+                decode = self.decodes[node]
+                self._send(decode, partial(self._submit, decode, req))
+
+    def _send(self, target: Node, submit: Callable[[], None]) -> None:
+        """The driver's message of a request to `target`: a hop of the control plane, as one
+        between nodes takes (a delay_control fault holds only the nodes' own messages)."""
+        self.env.call(self.control_latency_s, partial(target.deliver, submit))
 
     def _submit(self, decode: DecodeNode, req: Request) -> None:
-        prefill = self.route(req)
-        if self.exp.transfer.handoff == "parallel":  # to both at once
-            self.prefills[prefill].role.submit(req.id, req.prompt_tokens, decode.idx)
-        decode.role.submit(req, prefill)
+        decode.role.submit(req, self.route(req))
 
     def route(self, req: Request) -> int:
         """The prefill node of `req` (a first attempt or a retry), and its transfer plan."""
