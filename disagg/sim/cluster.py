@@ -530,8 +530,8 @@ class Sim:
                 self._send(coloc, partial(coloc.role.submit, req))
             elif self.exp.transfer.handoff == "parallel":  # to both at once
                 decode, prefill = self.decodes[node], self.route(req)
-                to_prefill = partial(self.prefills[prefill].role.submit, req.id, a.prompt_tokens)
-                self._send(self.prefills[prefill], partial(to_prefill, node))
+                pnode = self.prefills[prefill]
+                self._send(pnode, partial(pnode.role.submit, req.id, req.prompt_tokens, node))
                 self._send(decode, partial(decode.role.submit, req, prefill))
             else:  # decode-first: the decoder hands it to a prefill node
                 decode = self.decodes[node]
