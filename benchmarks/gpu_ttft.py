@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from disagg.config import build_experiment
-from disagg.core.metrics import queue_parts, read_results
+from disagg.core.metrics import handoff_parts, queue_parts, read_results
 from disagg.hw.device import copy_seconds, resolve_device
 from disagg.hw.driver import run_hw
 from disagg.models import get_model
@@ -206,6 +206,7 @@ def main() -> None:
         parts = (
             (1e3 * queue_parts(req, hops, handoff == "parallel"))
             .add_prefix("queue: ")
+            .join((1e3 * handoff_parts(req, hops)).add_prefix("handoff: "))
             .join(req.set_index("request_id").prompt_tokens)
         )
         parts = parts.groupby("prompt_tokens").median().round(3)

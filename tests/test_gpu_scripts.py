@@ -82,10 +82,12 @@ def test_gpu_ttft_dry_run_writes_four_runs_and_the_bound_table(tmp_path: Path) -
     assert [r.split("|")[1].strip() for r in rows[2:4]] == ["64", "128"]  # the bound table
     assert all(f"\n{run} (ms, medians)" in report for run in ("layerwise", "parallel", "whole"))
     assert "queue: to_prefill" in report  # the queue split by the runs' hops tables
+    assert "handoff: until_taken" in report  # and the handoff at the KV's landing
     summary = json.loads((tmp_path / "layerwise" / "summary.json").read_text())
     assert set(summary["queue_parts_ms"]) == {
         "late", "to_entry", "at_decoder", "to_prefill", "prefill_wait"
     }  # fmt: skip
+    assert set(summary["handoff_parts_ms"]) == {"to_decoder", "until_taken"}
     # the trace stays beside the runs: the simulator replays a run from its directory alone
     exp = json.loads((tmp_path / "layerwise" / "experiment.json").read_text())
     assert Path(exp["workload"]["trace"]).parent == tmp_path.resolve()

@@ -23,7 +23,7 @@ pytest.importorskip("zmq")
 import torch
 
 from disagg.config import build_experiment, load_experiment
-from disagg.core.metrics import queue_parts
+from disagg.core.metrics import handoff_parts, queue_parts
 from disagg.errors import ConfigError
 from disagg.hw import latency
 from disagg.hw.batch import Seq
@@ -385,6 +385,15 @@ def test_disaggregated_equals_colocated(
     medians = summary["queue_parts_ms"]
     assert sorted(medians) == sorted(parts.columns)  # all five: the decoder's hop is in both
     assert medians["to_prefill"] == pytest.approx(1e3 * parts.to_prefill.median())
+    # the handoff split by when the KV's last immediate reached the decoder's wire: it leaves
+    # after the prefill's last pass ends and is taken (the request ready) after it lands
+    handoff = handoff_parts(req, hops)
+    r = req.set_index("request_id").loc[t.index]
+    np.testing.assert_allclose(handoff.sum(axis=1), r.ready_s - r.prefill_end_s, atol=1e-9)
+    assert (handoff.until_taken >= 0).all() and (handoff.to_decoder > -1e-3).all()
+    assert summary["handoff_parts_ms"]["until_taken"] == pytest.approx(
+        1e3 * handoff.until_taken.median()
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla-moe"])

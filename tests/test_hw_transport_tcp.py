@@ -247,7 +247,8 @@ def test_unknown_wires_are_config_errors() -> None:
 
 def test_the_wake_fd_wakes_a_waiting_control_loop_when_immediates_arrive() -> None:
     """A decode loop sleeps in Control.recv on its control socket and the wire's wake fd: an
-    immediate ends the wait at once (not at the timeout), and poll() clears the fd."""
+    immediate ends the wait at once (not at the timeout), poll() clears the fd, and gives
+    the time the immediate arrived (before the wake), not its own."""
     import select
 
     pytest.importorskip("zmq")
@@ -264,13 +265,16 @@ def test_the_wake_fd_wakes_a_waiting_control_loop_when_immediates_arrive() -> No
         assert ctl.recv(0.05, fd) is None  # nothing came: the timeout ends the wait
         unit = Unit([Write("src", 0, "dst", 0, 64)], imm=7)
         later = threading.Timer(0.2, send.post, ("decode0", [unit], 1))  # lands mid-wait
-        t = time.monotonic()
+        t, started = time.monotonic(), time.time()
         later.start()
         assert ctl.recv(10.0, fd) is None
-        waited = time.monotonic() - t
+        waited, woke = time.monotonic() - t, time.time()
         later.join()
         assert 0.15 < waited < 2.0  # woken by the immediate, long before the timeout
-        assert recv.poll().immediates == [7]
+        time.sleep(0.05)
+        polled = recv.poll()
+        assert polled.immediates == [7]
+        assert len(polled.arrived_s) == 1 and started < polled.arrived_s[0] <= woke
         assert not select.select([fd], [], [], 0)[0]  # cleared until the next immediate
     finally:
         ctl.close()

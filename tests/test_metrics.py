@@ -17,6 +17,7 @@ from disagg.cli import app
 from disagg.core.metrics import (
     TRANSFER_COLUMNS,
     Recorder,
+    handoff_parts,
     host_share,
     inter_token_latency,
     read_summary,
@@ -493,3 +494,21 @@ def test_an_old_summary_without_its_counts_cannot_be_brought_up_to_date(tmp_path
     (tmp_path / "run" / "summary.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"summary\.json: no gpus or wall_s"):
         read_summary(tmp_path / "run")
+
+
+def test_the_handoff_splits_at_the_landing_of_the_kvs_last_immediate() -> None:
+    requests = pd.DataFrame(
+        {"request_id": [4, 5, 6], "prefill_end_s": [1.0, 2.0, 3.0], "ready_s": [1.01, 2.003, 3.5]}
+    )
+    hops = pd.DataFrame(
+        {
+            "request_id": [4, 5, 4, 6],
+            "node": ["decode0", "decode0", "prefill0", "driver"],
+            "event": ["landed", "landed", "pages", "sent"],  # 6: no landing stamped (older)
+            "t_s": [1.004, 2.0025, 0.5, 2.9],
+        }
+    )
+    parts = handoff_parts(requests, hops)
+    assert list(parts.index) == [4, 5]
+    assert parts.to_decoder.tolist() == pytest.approx([0.004, 0.0025])
+    assert parts.until_taken.tolist() == pytest.approx([0.006, 0.0005])

@@ -353,6 +353,17 @@ def queue_parts(requests: pd.DataFrame, hops: pd.DataFrame, parallel: bool) -> p
     )
 
 
+def handoff_parts(requests: pd.DataFrame, hops: pd.DataFrame) -> pd.DataFrame:
+    """Each disaggregated request's handoff (its prefill's end to its KV ready at the decoder)
+    split by its decoder's `landed` stamp, in seconds, indexed by request id: the KV's last
+    bytes and their immediate on their way (`to_decoder`: the prefill's end to the last
+    immediate reaching the decoder's wire), and the wait until the decoder took it between
+    its passes (`until_taken`). Empty for a run without `landed` stamps (colocated, or older)."""
+    landed = hops[hops.event == "landed"].groupby("request_id").t_s.min()
+    r = requests.set_index("request_id").reindex(landed.index)
+    return pd.DataFrame({"to_decoder": landed - r.prefill_end_s, "until_taken": r.ready_s - landed})
+
+
 def summarize(
     requests: pd.DataFrame,
     steps: pd.DataFrame,

@@ -5,6 +5,7 @@ server (KV from a prefill server, counted in by the wire's immediates) and the c
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,7 @@ class DecodeServer(GeneratingServer):
         self.runner.capture_up_to(group.max_batch)
         self.slots: dict[int, int] = {}
         self.timer_s = math.inf
+        self.landed_s = math.nan  # the immediate being handed to the role arrived then
         self.prefill_nodes = exp.cluster.prefill.nodes
         self.prefill_router = make_router(exp.cluster.router, range(self.prefill_nodes))
 
@@ -180,13 +182,19 @@ class DecodeServer(GeneratingServer):
         return 0
 
     def ready(self, req: Request) -> None:
+        if not math.isnan(self.landed_s):  # made ready by the immediate `tick` hands on
+            self.mark(req.id, "landed", self.landed_s)
         if req.id in self.slots:  # summed on the device, no sync: the first pass should not
             self.meta_sums[req.id] = self.meta[self.slots.pop(req.id)].sum()  # wait for it
 
     def tick(self) -> None:
         assert self.wire is not None
-        for imm in self.wire.poll().immediates:
+        polled = self.wire.poll()
+        arrived = polled.arrived_s or [time.time()] * len(polled.immediates)
+        for imm, at_s in zip(polled.immediates, arrived, strict=True):
+            self.landed_s = at_s - self.t0  # when it reached the wire, on the run's clock
             self.role.on_immediates(*unpack_imm(imm))
+        self.landed_s = math.nan
         if self.now() >= self.timer_s:
             self.timer_s = math.inf
             self.role.on_timer()

@@ -32,6 +32,7 @@ import torch
 from disagg.config import Experiment, GroupConfig
 from disagg.core.metrics import (
     Recorder,
+    handoff_parts,
     host_share,
     queue_parts,
     requests_table,
@@ -619,6 +620,8 @@ def run_hw(
     parts = queue_parts(req, hops, exp.transfer.handoff == "parallel").median()
     # medians over the requests, of the parts this run has (hops.parquet has every request's)
     summary["queue_parts_ms"] = {k: 1e3 * float(v) for k, v in parts.dropna().items()}
+    handoff = handoff_parts(req, hops).median()
+    summary["handoff_parts_ms"] = {k: 1e3 * float(v) for k, v in handoff.dropna().items()}
     if stopped is not None:
         summary["stopped"] = str(stopped)
     if exp.faults:  # a request left unfinished ended with the kill that stopped the run
@@ -640,7 +643,8 @@ HOP_COLUMNS = ["request_id", "node", "event", "t_s"]
 
 def hops_table(state: HwRun) -> pd.DataFrame:
     """Each request's control-plane stamps, in time order: the driver's `sent`, then each
-    node's `received`, `handed_off` (decoder to prefill) and `pages` (at a prefill node).
+    node's `received`, `handed_off` (decoder to prefill), `pages` (at a prefill node) and
+    `landed` (its KV's last immediate at the decoder's wire, `Server.mark`).
     Sends are stamped just before they leave, so a send precedes its arrival. All processes
     of one host share the run's clock (time since the driver's start); across hosts the
     stamps are only as close as the hosts' clocks."""

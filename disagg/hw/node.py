@@ -262,11 +262,13 @@ class Server:
     def now(self) -> float:
         return time.time() - self.t0
 
-    def mark(self, req_id: int, event: str) -> None:
-        """Stamp a request's control-plane event on this node (the run's hops table):
-        `received` (the request reached this node), `handed_off` (a decoder is about to send
-        it to prefill), `pages` (a prefill node got the decoder's pages)."""
-        self.stats.hops.append((req_id, self.cfg.name, event, self.now()))
+    def mark(self, req_id: int, event: str, at_s: float | None = None) -> None:
+        """Stamp a request's control-plane event on this node (the run's hops table), now or
+        at `at_s` (the run's clock): `received` (the request reached this node), `handed_off`
+        (a decoder is about to send it to prefill), `pages` (a prefill node got the
+        decoder's pages), `landed` (the last immediate of its KV reached a decoder's wire,
+        which the decoder takes between passes)."""
+        self.stats.hops.append((req_id, self.cfg.name, event, self.now() if at_s is None else at_s))
 
     def tick(self) -> None:
         """One turn of the main loop: messages, wire events, then at most one forward pass."""

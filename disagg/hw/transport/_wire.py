@@ -113,8 +113,9 @@ class Server:
     `regions`; collects immediates; ACKs batches.
 
     regions maps a region id to a writable byte view (tcp); the cuda wire passes none and only
-    receives IMM frames. Thread-safe: `take_immediates` may be called from any thread. A byte
-    on the `wake_fd` pipe says immediates are waiting, so a loop can sleep until they come.
+    receives IMM frames. Thread-safe: `take_immediates` may be called from any thread, and
+    gives each immediate with the time it arrived (time.time()). A byte on the `wake_fd` pipe
+    says immediates are waiting, so a loop can sleep until they come.
     `refused` counts the connections closed before authenticating ("auth") and for a bad
     frame ("frame"); each is also said on stderr with the peer, prefixed by `label`.
     """
@@ -128,7 +129,7 @@ class Server:
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
         self._lock = threading.Lock()
-        self._imms: list[int] = []
+        self._imms: list[tuple[int, float]] = []  # value, when it arrived
         self.wake_fd, self._wake_w = os.pipe()
         for fd in (self.wake_fd, self._wake_w):
             os.set_blocking(fd, False)
@@ -138,7 +139,7 @@ class Server:
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="wire-accept")]
         self._threads[0].start()
 
-    def take_immediates(self) -> list[int]:
+    def take_immediates(self) -> list[tuple[int, float]]:
         with self._lock:
             out, self._imms = self._imms, []
             with contextlib.suppress(BlockingIOError, OSError):
@@ -146,8 +147,9 @@ class Server:
         return out
 
     def _add_immediate(self, value: int) -> None:
+        arrived_s = time.time()
         with self._lock:
-            self._imms.append(value)
+            self._imms.append((value, arrived_s))
             if len(self._imms) == 1:  # the first since the last take: wake the reader
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.write(self._wake_w, b"\0")
@@ -539,7 +541,8 @@ class SocketWire(Transport):
     def poll(self) -> Polled:
         with self._lock:
             done, self._completions = self._completions, []
-        return Polled(done, self._server.take_immediates())
+        imms = self._server.take_immediates()
+        return Polled(done, [v for v, _ in imms], [t for _, t in imms])
 
     def close(self) -> None:
         if self._closed:

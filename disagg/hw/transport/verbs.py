@@ -592,8 +592,9 @@ class VerbsTransport(Transport):
         qp = self._receiving.get(wc.qp_num)
         if wc.status != e.IBV_WC_SUCCESS or qp is None:
             return  # flushed: the sender's connection failed and this QP is dead
-        if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
+        if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:  # stamped as the progress thread sees it
             self._out.immediates.append(int(wc.imm_data))
+            self._out.arrived_s.append(time.time())
         qp.post_recv(self._recv_wr)
 
 
