@@ -25,7 +25,9 @@ from host_by_run import report  # the 12-05k records' command line
 EDGES_MS = [-1, 1, 5, 10, 20, 50, 100, 200, 1e9]
 
 
-def rows(validate: Path) -> list[dict]:
+def chunk_passes(validate: Path) -> pd.DataFrame:
+    """The colocated chunk passes of a validate's calibration and hw runs, each with its
+    `ratio` (device time over the profile's at its shape) and `since` (s)."""
     exp = load_experiment(next((validate / "sim-profile").glob("colocated-*")))
     runs = [d for d in sorted((validate / "calibration").glob("*rps*")) if d.name[0].isdigit()]
     runs += sorted(validate.glob("hw*/colocated-*"))
@@ -35,7 +37,11 @@ def rows(validate: Path) -> list[dict]:
         steps = steps.assign(shaped=shape_device(steps, exp), since=since_chunk(steps))
         passes.append(steps[steps.prefill_tokens > 0])
     c = pd.concat(passes, ignore_index=True)
-    c["ratio"] = c.device_s / c.shaped
+    return c.assign(ratio=c.device_s / c.shaped)
+
+
+def rows(validate: Path) -> list[dict]:
+    c = chunk_passes(validate)
     tokens = c.prefill_tokens
     c["cached"] = c.prefill_attn_pairs > tokens * (tokens + 1) / 2
     c["since"] = pd.cut(c.since * 1e3, EDGES_MS)
