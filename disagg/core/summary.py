@@ -163,6 +163,7 @@ class Summary(BaseModel):
     pages_in_use: dict[str, int] | None = _opt("per server: KV pages still in use at the end")
     host_share_by_node: dict[str, float] | None = _opt("host_share_of_pass_time per server")
     queue_parts_ms: dict[str, float] | None = _opt("median of each part of the queue, ms")
+    handoff_parts_ms: dict[str, float] | None = _opt("median of each part of the handoff, ms")
     stopped: str | None = _opt("why the run stopped early")
     startup_s: float | None = _opt("wall time from the run's start until every server was up")
 
