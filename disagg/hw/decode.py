@@ -5,7 +5,6 @@ server (KV from a prefill server, counted in by the wire's immediates) and the c
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -190,8 +189,7 @@ class DecodeServer(GeneratingServer):
     def tick(self) -> None:
         assert self.wire is not None
         polled = self.wire.poll()
-        arrived = polled.arrived_s or [time.time()] * len(polled.immediates)
-        for imm, at_s in zip(polled.immediates, arrived, strict=True):
+        for imm, at_s in zip(polled.immediates, polled.arrived_s, strict=True):
             self.landed_s = at_s - self.t0  # when it reached the wire, on the run's clock
             self.role.on_immediates(*unpack_imm(imm))
         self.landed_s = math.nan

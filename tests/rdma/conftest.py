@@ -55,6 +55,7 @@ def wait_for(
             polled = t.poll()
             acc.completions += polled.completions
             acc.immediates += polled.immediates
+            acc.arrived_s += polled.arrived_s
             idle = idle and not polled.completions and not polled.immediates
         if idle:
             time.sleep(0.0005)

@@ -70,10 +70,12 @@ def test_single_write_lands_and_completes(pair) -> None:
     a.register("src", src)
     db = b.register("dst", dst)
     connect(a, b, [db])
+    posted = time.time()
     a.post("b", [Unit([Write("src", 0, "dst", 4096, 1 << 20)], imm=0xDEADBEEF)], wr_id=11)
     sent, got = wait_for([a, b], lambda s, g: bool(s.completions and g.immediates))
     assert [(c.wr_id, c.ok) for c in sent.completions] == [(11, True)]
     assert got.immediates == [0xDEADBEEF]
+    assert len(got.arrived_s) == 1 and posted <= got.arrived_s[0] <= time.time()  # its stamp
     assert np.array_equal(dst[4096 : 4096 + (1 << 20)], src)
     assert not dst[:4096].any() and not dst[4096 + (1 << 20) :].any()
 

@@ -141,8 +141,8 @@ class Completion:
 class Polled:
     completions: list[Completion] = field(default_factory=list)
     immediates: list[int] = field(default_factory=list)
-    # when each immediate reached this endpoint (time.time(), its receiving thread's stamp)
-    # on a wire that has one; else empty, and the poll is as early as it is known
+    # when each immediate reached this endpoint (time.time(), as its wire's receiving thread
+    # saw it), one per immediate
     arrived_s: list[float] = field(default_factory=list)
 
 
