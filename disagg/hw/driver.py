@@ -617,11 +617,12 @@ def run_hw(
     summary["host_share_of_pass_time"] = host_share(steps)  # every node's passes together
     summary["host_share_by_node"] = {n: host_share(g) for n, g in steps.groupby("node")}
     hops = hops_table(state)
-    parts = queue_parts(req, hops, exp.transfer.handoff == "parallel").median()
-    # medians over the requests, of the parts this run has (hops.parquet has every request's)
-    summary["queue_parts_ms"] = {k: 1e3 * float(v) for k, v in parts.dropna().items()}
-    handoff = handoff_parts(req, hops).median()
-    summary["handoff_parts_ms"] = {k: 1e3 * float(v) for k, v in handoff.dropna().items()}
+    split = {
+        "queue_parts_ms": queue_parts(req, hops, exp.transfer.handoff == "parallel"),
+        "handoff_parts_ms": handoff_parts(req, hops),
+    }
+    for key, parts in split.items():  # medians over the requests, of the parts this run has
+        summary[key] = {k: 1e3 * float(v) for k, v in parts.median().dropna().items()}
     if stopped is not None:
         summary["stopped"] = str(stopped)
     if exp.faults:  # a request left unfinished ended with the kill that stopped the run
