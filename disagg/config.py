@@ -170,6 +170,10 @@ class ClusterConfig(_Frozen):
     # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and
     # the shares are unused; disagg validate measures it
     switch_s: float | None = Field(default=None, ge=0.0)
+    # set: the passes there take turns as the GPU's time-slicer gives them (turns rule,
+    # sim/gpu.py): a chunk pass a layer a turn, a decode pass this much device time a turn and a
+    # turn's yield before and after its device time, switch_s (or nothing) between turns
+    turn_slice_s: float | None = Field(default=None, gt=0.0)
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

@@ -558,8 +558,14 @@ def loop_repeat(name: str) -> int | None:
 
 
 WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the cluster
-# share.json's keys: the weights, with a chunk extra or not, or the round robin's switch_s
-SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s")
+# share.json's keys: the weights, with a chunk extra or not, the round robin's switch_s, or
+# the turns rule's slice with it
+SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s", "turn_slice_s")
+# the turns rule as kernel timelines of both servers on one H200 and one H100 showed it: from
+# one prefill turn to the next that preempts the decoder, 2.416 ms, two switches of 0.13 ms
+# and 2.15 of the decoder's device time (benchmarks/results/2026-12-06-gpu); the switch is
+# fitted by replays (`fit_turns`), this one the timelines'
+TURNS = {"turn_slice_s": 2.15e-3, "switch_s": 1.35e-4}
 
 
 def share_run(out: Path, rates: Sequence[float]) -> Path:
@@ -603,9 +609,11 @@ def share_overrides(fitted: Mapping[str, float]) -> list[str]:
     """The replays' overrides of `fitted` shares: with a switch cost, the round robin; else
     the weights (no chunk extra unless fitted), whatever the run had."""
     if "switch_s" in fitted:
-        return [f"cluster.{k}={v!r}" for k, v in fitted.items()]
+        rule = {"turn_slice_s": None} | dict(fitted)
+        return [f"cluster.{k}={'null' if v is None else repr(v)}" for k, v in rule.items()]
     weights = {"chunk_extra_s": 0.0} | dict(fitted)
-    return [*(f"cluster.{k}={v!r}" for k, v in weights.items()), "cluster.switch_s=null"]
+    nulls = ("cluster.switch_s=null", "cluster.turn_slice_s=null")
+    return [*(f"cluster.{k}={v!r}" for k, v in weights.items()), *nulls]
 
 
 def replay_error(run: Path, overrides: Sequence[str], out: Path) -> float:
@@ -623,8 +631,10 @@ EXTRA_RANGE_S = (0.0, 0.1)  # and the weights' chunk extra
 STEP_S = 1e-4  # and to what width
 
 
-def golden(error: Callable[[float], float], bounds: tuple[float, float]) -> tuple[float, float]:
-    """The x within `bounds` of least `error(x)`, golden-section searched to STEP_S, and that
+def golden(
+    error: Callable[[float], float], bounds: tuple[float, float], width: float = STEP_S
+) -> tuple[float, float]:
+    """The x within `bounds` of least `error(x)`, golden-section searched to `width`, and that
     error; the last x tried is that x (a replay it leaves is that x's). The search assumes
     the error falls to one least and rises beyond it, as the shared-GPU fits' replay errors
     did on every run tried (docs/calibration.md)."""
@@ -639,7 +649,7 @@ def golden(error: Callable[[float], float], bounds: tuple[float, float]) -> tupl
     step = (math.sqrt(5) - 1) / 2
     c, d = hi - step * (hi - lo), lo + step * (hi - lo)
     fc, fd = at(c), at(d)
-    while hi - lo > STEP_S:
+    while hi - lo > width:
         if fc <= fd:
             hi, d, fd = d, c, fc
             c = hi - step * (hi - lo)
@@ -663,6 +673,23 @@ def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[floa
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
 
     return golden(error, SWITCH_RANGE_S)
+
+
+TURN_SWITCH_RANGE_S = (0.0, 4e-4)  # where the turns rule's switch is searched, to what width
+TURN_STEP_S = 5e-6
+
+
+def fit_turns(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[dict[str, float], float]:
+    """The turns rule at its measured slice (`TURNS`) with the switch between turns whose
+    replay of `shared` on the profile is closest to it, searched over TURN_SWITCH_RANGE_S, and
+    that error; its replay is left in `out`."""
+
+    def error(switch_s: float) -> float:
+        rule = share_overrides(TURNS | {"switch_s": switch_s})
+        return replay_error(shared, [*rule, *on_profile], out)
+
+    switch_s, least = golden(error, TURN_SWITCH_RANGE_S, TURN_STEP_S)
+    return TURNS | {"switch_s": switch_s}, least
 
 
 def fit_extra(
@@ -695,22 +722,26 @@ def calibration_shares(
     change, and written to its share.json; else what share.json holds, if there is one. The
     weights' shares come from the passes (`fit_shares`). Given the replays' profile overrides
     (`on_profile`), two more rules are fitted with replays of that run: the weights with a
-    chunk extra (`fit_extra`) and the round robin (`fit_switch`); the rule whose replay comes
-    closest to it (`replay_error`) is the one kept. Without, the weights."""
+    chunk extra (`fit_extra`), the round robin (`fit_switch`) and the turns rule's switch at
+    its measured slice (`fit_turns`); the rule whose replay comes closest to it
+    (`replay_error`) is the one kept. Without, the weights."""
     run, alone = calibration_runs(cal)
     if run is not None and alone:
         fitted = fit_shares(run, alone)
         if on_profile is not None:
             weights = replay_error(run, [*share_overrides(fitted), *on_profile], cal / "weights")
             extra, beside, passes_s = fit_extra(run, alone, on_profile, cal / "chunk-extra")
-            switch_s, turns = fit_switch(run, on_profile, cal / "round-robin")
+            switch_s, rr = fit_switch(run, on_profile, cal / "round-robin")
+            turns_fit, turns = fit_turns(run, on_profile, cal / "turns")
             at_ms = f"at {extra['chunk_extra_s'] * 1e3:.3g} ms; the passes: {passes_s * 1e3:.3g}"
             said = (
                 f"weights {weights:.3f}, chunk extra {beside:.3f} ({at_ms}), "
-                f"round robin {turns:.3f} (at {switch_s * 1e3:.3g} ms)"
+                f"round robin {rr:.3f} (at {switch_s * 1e3:.3g} ms), "
+                f"turns {turns:.3f} (at {turns_fit['switch_s'] * 1e3:.3g} ms)"
             )
             say(f"shared GPU: mean |log sim/hw| on {run.name}: {said}")
-            rules = [(weights, fitted), (beside, extra), (turns, {"switch_s": switch_s})]
+            rules = [(weights, fitted), (beside, extra), (rr, {"switch_s": switch_s})]
+            rules.append((turns, turns_fit))
             fitted = min(rules, key=lambda rule: rule[0])[1]
         (cal / "share.json").write_text(json.dumps(fitted, indent=2) + "\n")
         return fitted
@@ -767,6 +798,9 @@ def read_shares(path: Path) -> dict[str, float]:
 
 def said_shares(fitted: Mapping[str, float]) -> str:
     """`fitted` shares in words, for the progress line (no prefill share: 1 - the decode's)."""
+    if "turn_slice_s" in fitted:
+        slice_ms, switch_ms = fitted["turn_slice_s"] * 1e3, fitted["switch_s"] * 1e3
+        return f"turns of {slice_ms:.3g} ms a decode pass, {switch_ms:.3g} ms between"
     if "switch_s" in fitted:
         return f"round robin, switch cost {fitted['switch_s'] * 1e3:.3g} ms"
     a = fitted["decode_share"]

@@ -12,7 +12,7 @@ from disagg.hardware import get_nic
 from disagg.sim.clock import Clock
 from disagg.sim.cluster import Proc, Sim
 from disagg.sim.costmodel import StepShape
-from disagg.sim.gpu import SharedGPU
+from disagg.sim.gpu import SharedGPU, TurnGPU
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 SHORT = ["workload.duration_s=20"]
@@ -438,6 +438,81 @@ def test_a_passs_host_time_runs_beside_the_turns_before_and_after_its_device_tim
     assert _host_ends(1.0) == pytest.approx([39.6e-3 + 0.4e-3 / 3, 39e-3 + 1e-3 / 3], abs=1e-12)
     assert _host_ends(0.0) == pytest.approx([42e-3, 40e-3], abs=1e-12)
     assert _host_ends(0.5) == pytest.approx([40.8e-3 + 0.2e-3 / 3, 39.6e-3 + 0.2e-3 / 3], abs=1e-12)
+
+
+def _turn_ends(passes: list[tuple[float, float, bool, float]]) -> tuple[list[float], TurnGPU]:
+    """When each (start, seconds alone, decode-only, host seconds) pass ends on a TurnGPU of
+    2 ms slices, 0.5 ms switches, 4 turns a chunk and all host time first."""
+    env, ends = Clock(), [0.0] * len(passes)
+    gpu = TurnGPU(env, 2e-3, 0.5e-3, 4, 1.0)
+
+    def one(i: int, start: float, seconds: float, decode_only: bool, host_s: float) -> Proc:
+        yield start
+        yield from gpu.run(seconds, decode_only, host_s or None)
+        ends[i] = env.now
+
+    for i, p in enumerate(passes):
+        env.start(one(i, *p))
+    env.run()
+    return ends, gpu
+
+
+def test_passes_on_a_time_sliced_gpu_take_turns_a_layer_or_a_slice_at_a_time() -> None:
+    """Hand arithmetic, the turns rule (`_turn_ends`). A 5 ms decode pass is a yield, 2 + 2 + 1
+    ms and a yield (of more than 16 sequences, two yields first); an 8 ms chunk pass four 2 ms
+    layers. Both from 0: the decode yields, the chunk's layers run at 0.5-2.5, 5.5-7.5,
+    10.5-12.5 and 14.5-16.5 ms between the decode's slices (3-5, 8-10, 13-14), and the
+    decode's last yield waits for the chunk's last layer:
+    it ends at 17 ms, the chunk at 16.5. Alone, each takes its time, with no switch."""
+    both, gpu = _turn_ends([(0.0, 5e-3, True, 0.0), (0.0, 8e-3, False, 0.0)])
+    assert both == pytest.approx([17e-3, 16.5e-3], abs=1e-12)
+    assert gpu.shared == 2 and gpu.lost_s == pytest.approx(12e-3 + 8.5e-3, abs=1e-12)
+    assert gpu.turns(5e-3, True) == pytest.approx([0.0, 2e-3, 2e-3, 1e-3, 0.0], abs=1e-15)
+    assert gpu.turns(8e-3, False) == pytest.approx([2e-3] * 4, abs=1e-15)
+    # beside more than 16 sequences a decode pass yields twice before its device time
+    assert gpu.turns(5e-3, True, 16) == pytest.approx([0.0, 2e-3, 2e-3, 1e-3, 0.0], abs=1e-15)
+    assert gpu.turns(5e-3, True, 17) == pytest.approx([0, 0, 2e-3, 2e-3, 1e-3, 0], abs=1e-15)
+    assert _turn_ends([(0.0, 5e-3, True, 0.0)])[0] == pytest.approx([5e-3], abs=1e-15)
+    assert _turn_ends([(0.0, 8e-3, False, 0.0)])[0] == pytest.approx([8e-3], abs=1e-15)
+    # a decode pass of 1 ms host, then its turns: the chunk runs its first layer alone (0-2
+    # ms), the decode's turns come between its next (2.5 yield; 5.5-7.5, 10.5-12.5) and the
+    # chunk's last layer ends at 15 ms, the decode's last 1 ms at 16.5 (its yield free after)
+    host, _ = _turn_ends([(0.0, 5e-3, True, 1e-3), (0.0, 8e-3, False, 0.0)])
+    assert host == pytest.approx([16.5e-3, 15e-3], abs=1e-12)
+
+
+def test_a_chunk_pass_on_a_time_sliced_gpu_expects_a_layer_a_decode_yield() -> None:
+    """expected_s (the pace of a chunk pass's layer-wise sends): alone its time; just after a 5
+    ms decode pass (five yields a pass), 4 layers of 2 + 2 x 0.5 ms and 4/5 of a decode pass
+    each: 12 + 4 = 16 ms."""
+    env = Clock()
+    gpu = TurnGPU(env, 2e-3, 0.5e-3, 4, 1.0)
+    assert gpu.expected_s(8e-3, False) == pytest.approx(8e-3)
+
+    def decode() -> Proc:
+        yield from gpu.run(5e-3, True)
+
+    env.start(decode())
+    env.run()
+    assert env.now == pytest.approx(5e-3)
+    assert gpu.expected_s(8e-3, False) == pytest.approx(16e-3, abs=1e-12)
+    assert gpu.expected_s(5e-3, True) == pytest.approx(5e-3)
+
+
+def test_nodes_on_a_time_sliced_gpu_finish_and_slow_each_other() -> None:
+    """cluster.turn_slice_s: every request finishes; beside the prefills the decodes take
+    longer than on a GPU of their own, and a shorter slice (more turns for the chunks) slows
+    the decodes further and speeds the prefills."""
+    base = ("qwen3moe-h200-1p3d.toml", "cluster.shared_gpu=true", "cluster.switch_s=1e-4")
+    long, short = (simulate(*base, f"cluster.turn_slice_s={s}") for s in (0.01, 0.001))
+    own = tables(simulate("qwen3moe-h200-1p3d.toml"))[0]
+    for sim in (long, short):
+        assert isinstance(sim.gpu, TurnGPU) and sim.gpu.shared > 0
+        assert (tables(sim)[0].status == "finished").all()
+    a, b = tables(long)[0], tables(short)[0]
+    assert a.tpot_s.median() > own.tpot_s.median()
+    assert b.tpot_s.median() > a.tpot_s.median()
+    assert b.ttft_s.median() < a.ttft_s.median()
 
 
 def test_nodes_on_a_shared_gpu_slow_each_other_by_their_shares() -> None:

@@ -350,6 +350,7 @@ def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path:
     ("rule", "settings"),
     [
         ("round robin", ["cluster.switch_s=0.005"]),
+        ("turns", ["cluster.turn_slice_s=0.00215", "cluster.switch_s=0.0002"]),
         # a prefill share well below 1: no fixed extra per chunk pass mimics it
         ("weights", ["cluster.decode_share=0.3", "cluster.prefill_share=0.6"]),
         (
@@ -362,14 +363,15 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     tmp_path: Path, rule: str, settings: list[str]
 ) -> None:
     """A calibration whose shared run was simulated under one rule of the shared GPU has the
-    three rules fitted on it and replays it under each: the one it ran under replays it
-    closest, and goes to share.json; the round robin's switch cost and the chunk extra are
+    four rules fitted on it (the turns rule at its measured slice) and replays it under
+    each: the one it ran under replays it closest, and goes to share.json; the round robin's
+    and the turns rule's switch costs and the chunk extra are
     found again within 10% (the summary's percentiles move in steps, so costs near them
     replay it as closely), the shares within 1%."""
     from typer.testing import CliRunner
 
     from disagg.cli import app
-    from disagg.validate import calibration_shares
+    from disagg.validate import TURNS, calibration_shares
 
     disagg = other_mode(
         load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
@@ -384,13 +386,18 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     said: list[str] = []
     fitted = calibration_shares(cal, [], said.append)
     assert said[0].startswith("shared GPU: mean |log sim/hw| on disagg-20rps: weights ")
-    errors = dict(re.findall(r"(weights|chunk extra|round robin) ([0-9.]+)", said[0]))
-    assert len(errors) == 3
+    errors = dict(re.findall(r"(weights|chunk extra|round robin|turns) ([0-9.]+)", said[0]))
+    assert len(errors) == 4
     assert min(errors, key=lambda r: float(errors[r])) == rule
     if rule == "round robin":
         assert list(fitted) == ["switch_s"]
         assert fitted["switch_s"] == pytest.approx(0.005, rel=0.1)
         assert float(errors["round robin"]) < 0.005
+    elif rule == "turns":
+        assert list(fitted) == ["turn_slice_s", "switch_s"]
+        assert fitted["turn_slice_s"] == TURNS["turn_slice_s"]
+        assert fitted["switch_s"] == pytest.approx(0.0002, rel=0.1)
+        assert float(errors["turns"]) < 0.005
     elif rule == "weights":
         assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
@@ -398,7 +405,7 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
         assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
         assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
     assert json.loads((cal / "share.json").read_text()) == fitted
-    for rule_dir in ("weights", "chunk-extra", "round-robin"):
+    for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
         assert (cal / rule_dir / "summary.json").exists()
 
 

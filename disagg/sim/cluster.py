@@ -44,7 +44,7 @@ from disagg.faults import (
 from disagg.models import dtype_bytes
 from disagg.sim.clock import Clock
 from disagg.sim.costmodel import ProfileCost, StepShape, make_cost_model
-from disagg.sim.gpu import SharedGPU
+from disagg.sim.gpu import SharedGPU, TurnGPU
 from disagg.sim.network import Network
 from disagg.sim.transfer import TransferModel
 
@@ -203,16 +203,20 @@ class Node(Generic[R]):
     def busy(self, seconds: float, prefill: bool, decodes: int) -> Proc:
         """One pass of `seconds` (`prefill`: with a prompt chunk; `decodes` decode sequences):
         that long, or on a GPU shared with other nodes, as long as its share there makes it.
-        Under the round robin only its device time takes turns: its host time runs beside the
-        other nodes' passes, `cost.profile_host_before` of it first and the rest after
-        (disagg/sim/gpu.py)."""
+        Under the round robin and the turns rule only its device time takes turns: its host
+        time runs beside the other nodes' passes, `cost.profile_host_before` of it first and
+        the rest after (disagg/sim/gpu.py)."""
         gpu = self.sim.gpu
         if gpu is None:
             yield seconds
-        elif gpu.switch_s is None:
+            return
+        if isinstance(gpu, SharedGPU) and gpu.switch_s is None:
             yield from gpu.run(seconds, not prefill)
+            return
+        host = min(seconds, self.cost.host_s(prefill, decodes))
+        if isinstance(gpu, TurnGPU):
+            yield from gpu.run(seconds - host, not prefill, host, decodes)
         else:
-            host = min(seconds, self.cost.host_s(prefill, decodes))
             yield from gpu.run(seconds - host, not prefill, host)
 
     def run_pass(self, batch: Batch) -> Proc:
@@ -474,8 +478,13 @@ class Sim:
         self.transfers = TransferModel(exp, self.network, self.rng)
         self.control_latency_s = exp.transfer.control_latency_s
         c = exp.cluster
-        self.gpu = (
-            SharedGPU(
+        self.gpu: SharedGPU | TurnGPU | None = None
+        if c.shared_gpu and c.turn_slice_s is not None:
+            turns = exp.model.spec.layers + 2  # the layers, and the embedding and the head
+            before = exp.cost.profile_host_before
+            self.gpu = TurnGPU(self.env, c.turn_slice_s, c.switch_s or 0.0, turns, before)
+        elif c.shared_gpu:
+            self.gpu = SharedGPU(
                 self.env,
                 c.decode_share,
                 c.prefill_share,
@@ -483,9 +492,6 @@ class Sim:
                 exp.cost.profile_host_before,
                 c.chunk_extra_s,
             )
-            if c.shared_gpu
-            else None
-        )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]
             if c.mode == "colocated"

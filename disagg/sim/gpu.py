@@ -1,7 +1,11 @@
 """One GPU that several simulated nodes share (`cluster.shared_gpu`), as the processes of a hw
 run on a single device do. The GPU time-slices between them, so passes that overlap take longer
-than alone. Two rules say how much; a pass alone always runs at full speed.
+than alone. Three rules say how much; a pass alone always runs at full speed.
 
+- **Turns** (`cluster.turn_slice_s` set; `TurnGPU`): what kernel timelines of both servers
+  on one H200 and one H100 showed. The GPU runs one process's work at a time: a chunk pass a
+  layer a turn, a decode pass `turn_slice_s` of device time a turn and a yield before and
+  after it; a chunk beside decodes advances a layer at each of their yields.
 - **Round robin** (`cluster.switch_s` set): the processes' kernels take turns, one each, with a
   cost to every turn, so each pass advances at its alone time's part of the alone times of all
   the passes running plus `switch_s` for every two of them (`round_robin`). A prefill pass beside
@@ -22,6 +26,7 @@ than alone. Two rules say how much; a pass alone always runs at full speed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from typing import Any
 
@@ -149,3 +154,105 @@ class SharedGPU:
         self.alone.discard(first)
         first.succeed()
         self._schedule()
+
+
+# a decode pass of more sequences yields once more before its device time: its host issues
+# its copies in more groups (a kernel timeline on one H100: 4 yields a pass above 16, 3 below;
+# benchmarks/results/2026-12-06-gpu)
+EXTRA_YIELD_SEQS = 16
+
+
+class TurnGPU:
+    """The turns rule (`cluster.turn_slice_s` set): the GPU runs one process's work at a time
+    and passes to the next process with work queued at each turn's end, `switch_s` apart, as
+    kernel timelines of both servers on one H200 and one H100 showed (docs/calibration.md):
+    - a pass with a prompt chunk takes `chunk_turns` turns, one a layer (the model's layers and
+      two more) of its time alone over that many: it yields the GPU after each;
+    - a decode-only pass yields after every `slice_s` of device time it has run, and once just
+      before its device time and once just after it (where its host waits on a copy), and of
+      more than EXTRA_YIELD_SEQS sequences once more before; its host time (`host_before` of
+      it first, the rest after) runs beside the other's turns.
+    So beside decode passes a chunk advances a layer at each of their yields, and its last
+    layer most often ends in one of their gaps, by the end of the decode pass in flight; and
+    a pass alone runs at full speed, in its own turns back to back."""
+
+    def __init__(
+        self, env: Clock, slice_s: float, switch_s: float, chunk_turns: int, host_before: float
+    ) -> None:
+        self.env = env
+        self.slice_s, self.switch_s, self.chunk_turns = slice_s, switch_s, chunk_turns
+        self.host_before = host_before
+        self.queues: dict[Signal, list[float]] = {}  # pass -> its turns left, last first
+        self.owner: Signal | None = None  # the pass whose turn is running (None: GPU idle)
+        self.last: Signal | None = None  # the pass whose turn ran last
+        self.decode_s, self.decode_seqs = 0.0, 0  # the last decode pass's, for `expected_s`
+        self.decode_end = -math.inf  # and when it ended
+        self.shared = 0  # passes that ran beside another
+        self.lost_s = 0.0  # what sharing added to them, all together
+
+    def turns(self, seconds: float, decode_only: bool, seqs: int = 0) -> list[float]:
+        """A pass's turns in order (`seqs`: a decode pass's sequences): a zero turn is a
+        yield with no work."""
+        if not decode_only:
+            return [seconds / self.chunk_turns] * self.chunk_turns
+        whole, rest = divmod(seconds, self.slice_s)
+        before = [0.0] * (2 if seqs > EXTRA_YIELD_SEQS else 1)
+        return [*before, *[self.slice_s] * int(whole), *([rest] if rest > 1e-12 else []), 0.0]
+
+    def expected_s(self, seconds: float, decode_only: bool) -> float:
+        """How long a chunk pass of `seconds` started now would take beside back-to-back decode
+        passes like the last one, if one is running: a layer at each of their yields."""
+        beside = self.queues or self.env._now - self.decode_end < self.slice_s
+        if decode_only or not beside or not self.decode_s:
+            return seconds
+        yields = len(self.turns(self.decode_s, True, self.decode_seqs))  # a chunk's turns a pass
+        per_layer = seconds / self.chunk_turns + 2 * self.switch_s
+        return self.chunk_turns * per_layer + self.chunk_turns / yields * self.decode_s
+
+    def run(
+        self, seconds: float, decode_only: bool, host_s: float | None = None, seqs: int = 0
+    ) -> Generator[Any, Any, None]:
+        """A pass of `seconds` on the device, in turns, and `host_s` on the host beside
+        (`seqs`: a decode pass's sequences)."""
+        env, host = self.env, host_s or 0.0
+        if host:
+            yield host * self.host_before
+        if decode_only:
+            self.decode_s, self.decode_seqs = seconds, seqs
+        done, t0 = env.event(), env._now
+        self.queues[done] = self.turns(seconds, decode_only, seqs)[::-1]
+        if self.owner is None:
+            self._next()
+        yield done
+        if decode_only:
+            self.decode_end = env._now
+        if env._now - t0 > seconds * (1 + 1e-9):
+            self.shared += 1
+            self.lost_s += env._now - t0 - seconds
+        if host and self.host_before < 1:
+            yield host * (1 - self.host_before)
+
+    def _next(self) -> None:
+        """Start the next turn: of the pass after the last one to run that has turns left
+        (round robin in arrival order), `switch_s` later if the GPU goes from one pass's turn
+        straight to another's."""
+        order = list(self.queues)
+        if not order:
+            self.owner = None
+            return
+        at = order.index(self.last) + 1 if self.last in self.queues else 0
+        p = (order[at:] + order[:at])[0]
+        switch = self.switch_s if self.owner is not None and self.last is not p else 0.0
+        work = self.queues[p].pop()
+        self.owner = self.last = p
+        self.env.call(switch + work, self._turn_done)
+
+    def _turn_done(self) -> None:
+        p = self.owner
+        assert p is not None
+        if not self.queues[p]:
+            del self.queues[p]
+            p.succeed()
+        self.owner = None if not self.queues else p
+        if self.queues:
+            self._next()
