@@ -1,5 +1,6 @@
 """A hw run's passes against the cost model, for `disagg validate`: the run's passes and its
-replay's side by side by size (`pass_table`, `pass_report`), each pass at its own shape by the
+replay's side by side by size, decode passes beside another node's chunk pass apart
+(`pass_table`, `pass_report`, `beside_chunk`), each pass at its own shape by the
 profile (`shape_device`), what passes with a prompt chunk take beyond it (`pass_offsets`;
 `chunk_offsets` for steps tables from before the shape columns), each pass's loop time
 (`loop_s`), and how long a control message takes between passes (`idle_hops`). No torch.
@@ -94,10 +95,32 @@ def idle_hops(hops: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     return np.concatenate(out)
 
 
+def beside_chunk(steps: pd.DataFrame) -> pd.Series:
+    """Per row of `steps` (one run's), whether it is a decode-only pass that overlapped a pass
+    with a prompt chunk of another node (on one shared GPU, the passes a chunk slows)."""
+    out = np.zeros(len(steps), bool)
+    chunk = steps.prefill_tokens.to_numpy() > 0
+    decode = np.flatnonzero(~chunk)
+    a = steps.start_s.to_numpy(float)[decode]
+    b = a + steps.duration_s.to_numpy(float)[decode]
+    nodes = steps.node.to_numpy()
+    for node in np.unique(nodes[chunk]):
+        mine = chunk & (nodes == node)  # one node's passes do not overlap
+        order = np.argsort(steps.start_s.to_numpy(float)[mine])
+        starts = steps.start_s.to_numpy(float)[mine][order]
+        ends = starts + steps.duration_s.to_numpy(float)[mine][order]
+        last = np.searchsorted(starts, b) - 1  # its last chunk pass to start before each end
+        met = (last >= 0) & (ends[np.maximum(last, 0)] > a) & (nodes[decode] != node)
+        out[decode[met]] = True
+    return pd.Series(out, index=steps.index)
+
+
 def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd.DataFrame:
     """A run's passes against its replay's, where they have device times: those with a prompt
-    chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones ("decode")
-    in ranges of batch size (the run's quantiles); per range the run's median size, each
+    chunk (kind "chunk") in `bins` ranges of chunk tokens and the decode-only ones in ranges
+    of batch size (the run's quantiles), those beside another node's chunk pass
+    (`beside_chunk`: "decode beside chunk") apart from the others ("decode"); per range the
+    run's median size, each
     side's passes and their median device and loop seconds per pass (`loop_s`, unless a
     table has that column: one of several runs' passes must, its nodes' clocks not one)
     (a steps row of several passes counts as that many), and the medians of the run's
@@ -105,10 +128,10 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
     PASS_COLUMNS; no rows without device times (the CPU)."""
     rows = []
     hw, sim = (t if "loop_s" in t else t.assign(loop_s=loop_s(t)) for t in (hw, sim))
-    for kind, size in (("chunk", "prefill_tokens"), ("decode", "batch_size")):
-        h, r = (
-            t[((t.prefill_tokens > 0) == (kind == "chunk")) & t.device_s.notna()] for t in (hw, sim)
-        )
+    hw, sim = (t.assign(kind=_pass_kind(t)) for t in (hw, sim))
+    for kind in PASS_KINDS:
+        size = "prefill_tokens" if kind == "chunk" else "batch_size"
+        h, r = (t[(t.kind == kind) & t.device_s.notna()] for t in (hw, sim))
         if h.empty or r.empty:
             continue
         for lo, hi, last in _ranges(h[size], bins):
@@ -133,6 +156,15 @@ def pass_table(hw: pd.DataFrame, sim: pd.DataFrame, bins: int = PASS_BINS) -> pd
                 )
             )
     return pd.DataFrame(rows, columns=PASS_COLUMNS)
+
+
+PASS_KINDS = ("chunk", "decode", "decode beside chunk")
+
+
+def _pass_kind(steps: pd.DataFrame) -> pd.Series:
+    """Per row of `steps`, its kind in `pass_table`."""
+    beside = np.where(beside_chunk(steps).to_numpy(), "decode beside chunk", "decode")
+    return pd.Series(np.where(steps.prefill_tokens > 0, "chunk", beside), index=steps.index)
 
 
 def shape_device(steps: pd.DataFrame, exp: Experiment) -> pd.Series:

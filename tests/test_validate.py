@@ -38,6 +38,7 @@ from disagg.validate import calibration_run, control_hop, loop_costs, own_host, 
 from disagg.validate_passes import (
     PASS_COLUMNS,
     after_chunk,
+    beside_chunk,
     chunk_offsets,
     graph_ranges,
     graph_scales,
@@ -407,6 +408,31 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     assert json.loads((cal / "share.json").read_text()) == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
         assert (cal / rule_dir / "summary.json").exists()
+
+
+def test_decode_passes_beside_another_nodes_chunk_pass_are_a_kind_of_their_own() -> None:
+    """A prefill node's chunk passes at 0-100 and 200-300 ms; a decoder's passes that overlap
+    one (50-60, 250-260, 290-310 ms) are beside a chunk, and so is a third node's (50-60),
+    those between (120-130, 310-320) not; on one node nothing is. pass_table ranges them
+    apart: the beside ones 12 ms of device time, the others 6."""
+    steps = pd.DataFrame(
+        {
+            "node": ["prefill0", "prefill0", *["decode0"] * 5, "colocated0"],
+            "start_s": [0.0, 0.2, 0.05, 0.12, 0.25, 0.29, 0.31, 0.05],
+            "duration_s": [0.1, 0.1, 0.01, 0.01, 0.01, 0.02, 0.01, 0.01],
+            "prefill_tokens": [512, 512, 0, 0, 0, 0, 0, 0],
+            "batch_size": [1, 1, 4, 4, 4, 4, 4, 4],
+            "device_s": [0.09, 0.09, 0.012, 0.006, 0.012, 0.012, 0.006, 0.006],
+        }
+    )
+    beside = [False, False, True, False, True, True, False, True]
+    assert list(beside_chunk(steps)) == beside
+    alone = steps.assign(node="colocated0")  # one node: nothing is beside another's chunk
+    assert not beside_chunk(alone).any()
+    t = pass_table(steps, steps)
+    assert list(t.kind) == ["chunk", "decode", "decode beside chunk"]
+    assert list(t.hw_n) == [2, 2, 4]
+    assert list(t.hw_device_s) == pytest.approx([0.09, 0.006, 0.012])
 
 
 def test_a_runs_start_is_told_by_its_slowest_server_in_each_part() -> None:
