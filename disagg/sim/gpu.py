@@ -202,7 +202,7 @@ class TurnGPU:
     def expected_s(self, seconds: float, decode_only: bool) -> float:
         """How long a chunk pass of `seconds` started now would take beside back-to-back decode
         passes like the last one, if one is running: a layer at each of their yields."""
-        beside = self.queues or self.env._now - self.decode_end < self.slice_s
+        beside = bool(self.queues) or self.env._now - self.decode_end < self.slice_s
         if decode_only or not beside or not self.decode_s:
             return seconds
         yields = len(self.turns(self.decode_s, True, self.decode_seqs))  # a chunk's turns a pass
@@ -253,6 +253,4 @@ class TurnGPU:
         if not self.queues[p]:
             del self.queues[p]
             p.succeed()
-        self.owner = None if not self.queues else p
-        if self.queues:
-            self._next()
+        self._next()
