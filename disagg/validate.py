@@ -561,11 +561,11 @@ WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the 
 # share.json's keys: the weights, with a chunk extra or not, the round robin's switch_s, or
 # the turns rule's slice with it
 SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s", "turn_slice_s")
-# the turns rule as kernel timelines of both servers on one H200 and one H100 showed it: from
-# one prefill turn to the next that preempts the decoder, 2.416 ms, two switches of 0.13 ms
-# and 2.15 of the decoder's device time (benchmarks/results/2026-12-06-gpu); the switch is
-# fitted by replays (`fit_turns`), this one the timelines'
-TURNS = {"turn_slice_s": 2.15e-3, "switch_s": 1.35e-4}
+# the turns rule's slice as kernel timelines of both servers on one H200 and one H100 showed
+# it: from one prefill turn to the next that preempts the decoder, 2.416 ms, two switches of
+# 0.13 ms and 2.15 of the decoder's device time (benchmarks/results/2026-12-06-gpu); its
+# switch is fitted by replays (`fit_turns`)
+TURN_SLICE_S = 2.15e-3
 
 
 def share_run(out: Path, rates: Sequence[float]) -> Path:
@@ -680,16 +680,18 @@ TURN_STEP_S = 5e-6
 
 
 def fit_turns(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[dict[str, float], float]:
-    """The turns rule at its measured slice (`TURNS`) with the switch between turns whose
+    """The turns rule at its measured slice (`TURN_SLICE_S`) with the switch between turns whose
     replay of `shared` on the profile is closest to it, searched over TURN_SWITCH_RANGE_S, and
     that error; its replay is left in `out`."""
 
+    def rule(switch_s: float) -> dict[str, float]:
+        return {"turn_slice_s": TURN_SLICE_S, "switch_s": switch_s}
+
     def error(switch_s: float) -> float:
-        rule = share_overrides(TURNS | {"switch_s": switch_s})
-        return replay_error(shared, [*rule, *on_profile], out)
+        return replay_error(shared, [*share_overrides(rule(switch_s)), *on_profile], out)
 
     switch_s, least = golden(error, TURN_SWITCH_RANGE_S, TURN_STEP_S)
-    return TURNS | {"switch_s": switch_s}, least
+    return rule(switch_s), least
 
 
 def fit_extra(

@@ -85,33 +85,33 @@ def idle_hops(hops: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     taken = hops[(hops.event == "received") & sent.notna()]
     out = [np.empty(0)]
     for node, rows in taken.groupby("node"):
-        mine = steps[steps.node == node].sort_values("start_s")
-        starts = mine.start_s.to_numpy()
-        ends = starts + mine.duration_s.to_numpy()
+        mine = steps[steps.node == node]
         a, b = sent[rows.index].to_numpy(), rows.t_s.to_numpy()
-        last = np.searchsorted(starts, b) - 1  # the node's last pass to start before b
-        met = (last >= 0) & (ends[np.maximum(last, 0)] > a)
+        met = _met(mine.start_s.to_numpy(float), mine.duration_s.to_numpy(float), a, b)
         out.append((b - a)[~met])
     return np.concatenate(out)
+
+
+def _met(starts: np.ndarray, durations: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per interval [a, b), whether one node's passes (`starts`, `durations`; they do not
+    overlap) ran during it: the last to start before b ends after a."""
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], starts[order] + durations[order]
+    last = np.searchsorted(starts, b) - 1
+    return (last >= 0) & (ends[np.maximum(last, 0)] > a)
 
 
 def beside_chunk(steps: pd.DataFrame) -> pd.Series:
     """Per row of `steps` (one run's), whether it is a decode-only pass that overlapped a pass
     with a prompt chunk of another node (on one shared GPU, the passes a chunk slows)."""
     out = np.zeros(len(steps), bool)
-    chunk = steps.prefill_tokens.to_numpy() > 0
+    start, took = steps.start_s.to_numpy(float), steps.duration_s.to_numpy(float)
+    chunk, nodes = steps.prefill_tokens.to_numpy() > 0, steps.node.to_numpy()
     decode = np.flatnonzero(~chunk)
-    a = steps.start_s.to_numpy(float)[decode]
-    b = a + steps.duration_s.to_numpy(float)[decode]
-    nodes = steps.node.to_numpy()
+    a, b = start[decode], start[decode] + took[decode]
     for node in np.unique(nodes[chunk]):
-        mine = chunk & (nodes == node)  # one node's passes do not overlap
-        order = np.argsort(steps.start_s.to_numpy(float)[mine])
-        starts = steps.start_s.to_numpy(float)[mine][order]
-        ends = starts + steps.duration_s.to_numpy(float)[mine][order]
-        last = np.searchsorted(starts, b) - 1  # its last chunk pass to start before each end
-        met = (last >= 0) & (ends[np.maximum(last, 0)] > a) & (nodes[decode] != node)
-        out[decode[met]] = True
+        mine = chunk & (nodes == node)
+        out[decode[_met(start[mine], took[mine], a, b) & (nodes[decode] != node)]] = True
     return pd.Series(out, index=steps.index)
 
 

@@ -372,7 +372,7 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     from typer.testing import CliRunner
 
     from disagg.cli import app
-    from disagg.validate import TURNS, calibration_shares
+    from disagg.validate import TURN_SLICE_S, calibration_shares
 
     disagg = other_mode(
         load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
@@ -396,7 +396,7 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
         assert float(errors["round robin"]) < 0.005
     elif rule == "turns":
         assert list(fitted) == ["turn_slice_s", "switch_s"]
-        assert fitted["turn_slice_s"] == TURNS["turn_slice_s"]
+        assert fitted["turn_slice_s"] == TURN_SLICE_S
         assert fitted["switch_s"] == pytest.approx(0.0002, rel=0.1)
         assert float(errors["turns"]) < 0.005
     elif rule == "weights":
