@@ -136,6 +136,13 @@ T = TypeVar("T", "GPU", "NIC")
 
 GPUS = {g.name.lower(): g for g in (A100_SXM_80GB, H100_SXM, H200_SXM)}
 NICS = {n.name.lower(): n for n in (CONNECTX_7, EFA, CUDA_H200, NVLINK_H200)}
+# the catalogue's GPUs by the name CUDA gives the device (torch.cuda.get_device_name): the SXM
+# boards only, as PCIe and NVL boards of one chip run at other clocks and bandwidths
+DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-80GB": A100_SXM_80GB,
+    "NVIDIA H100 80GB HBM3": H100_SXM,
+    "NVIDIA H200": H200_SXM,
+}
 
 
 def _lookup(table: dict[str, T], kind: str, name: str) -> T:

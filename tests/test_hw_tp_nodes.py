@@ -24,11 +24,13 @@ import torch.distributed
 from disagg.config import build_experiment
 from disagg.core import messenger as m
 from disagg.errors import ConfigError, TransportError
+from disagg.hardware import DEVICE_NAMES
 from disagg.hw.driver import (
     Driver,
     HwRun,
     check_hw_experiment,
     hw_experiment,
+    recorded_gpu,
     run_hw,
     shares_one_gpu,
 )
@@ -325,3 +327,49 @@ def test_a_run_records_whether_its_servers_share_one_gpu(
     assert shares_one_gpu(exp, gpus) is shared
     assert hw_experiment(exp, gpus).cluster.shared_gpu is shared
     assert hw_experiment(exp).cluster.shared_gpu is False  # no host given: as configured
+
+
+TINY_ONE_RANK = ["model.name=tiny-gqa", "cluster.prefill.tp=1", "cluster.decode.tp=1"]
+
+
+@pytest.mark.parametrize(
+    ("names", "recorded", "warned"),
+    [
+        ({"cuda:0": "NVIDIA H100 80GB HBM3"}, "H100-SXM", ""),
+        ({"cuda:0": "NVIDIA H200", "cuda:1": "NVIDIA H200"}, "H200-SXM", ""),
+        ({"cuda:0": "NVIDIA A100-SXM4-80GB"}, "A100-SXM-80GB", ""),
+        ({"cuda:0": "NVIDIA H100 PCIe"}, "H200-SXM", "cuda:0 is NVIDIA H100 PCIe: not one GPU"),
+        (
+            {"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA H200"},
+            "H200-SXM",
+            "cuda:0 is NVIDIA H100 80GB HBM3, cuda:1 is NVIDIA H200: not one GPU",
+        ),
+    ],
+    ids=["h100", "two-h200", "a100", "pcie-board", "mixed"],
+)
+def test_a_run_records_the_gpu_its_servers_ran_on(
+    names: dict[str, str], recorded: str, warned: str
+) -> None:
+    """A hw run records the catalogue GPU whose CUDA name its devices have, whatever GPU the
+    experiment names (an H200 here), so that its roofline replay models the GPU it ran on;
+    where they have no one catalogue name, the experiment's, and a warning says so."""
+    exp = build_experiment({}, [*TINY_ONE_RANK, "hardware.gpu=H200-SXM"])
+    if warned:
+        with pytest.warns(UserWarning, match=warned) as said:
+            assert recorded_gpu(exp, names) == recorded
+        assert "the run records hardware.gpu=H200-SXM" in str(said[0].message)
+    else:
+        assert recorded_gpu(exp, names) == recorded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_run_on_this_gpu_records_it() -> None:
+    """On a GPU of the catalogue, a run's experiment names that GPU, not the one it was given."""
+    name = torch.cuda.get_device_name(0)
+    if name not in DEVICE_NAMES:
+        pytest.skip(f"{name} is not in the catalogue")
+    other = "A100-SXM-80GB" if DEVICE_NAMES[name].name != "A100-SXM-80GB" else "H200-SXM"
+    devices = ["hw.prefill_device=cuda:0", "hw.decode_device=cuda:0"]
+    exp = build_experiment({}, [*TINY_ONE_RANK, f"hardware.gpu={other}", *devices])
+    ran = hw_experiment(exp, torch.cuda.device_count())
+    assert ran.hardware.gpu_spec is DEVICE_NAMES[name]

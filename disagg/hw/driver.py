@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from disagg.faults import (
     Stop,
     attribute,
 )
+from disagg.hardware import DEVICE_NAMES
 from disagg.hw import latency
 from disagg.hw.attention import parse_attention
 from disagg.hw.auth import control_secret
@@ -92,25 +94,66 @@ class HwRun:
 
 def hw_experiment(exp: Experiment, gpus: int | None = None) -> Experiment:
     """`exp` as a hardware run runs it, so that the run's experiment.json records it and its
-    replay simulates that: its KV pool given (HW_PAGES unless set), and, given this host's
-    `gpus`, `cluster.shared_gpu` where every server runs on one GPU (`shares_one_gpu`)."""
+    replay simulates that: its KV pool given (HW_PAGES unless set); and, given this host's
+    `gpus`, `cluster.shared_gpu` where every server runs on one GPU (`shares_one_gpu`) and
+    the GPU its servers run on as `hardware.gpu` (`recorded_gpu`)."""
     exp = exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
-    if gpus is not None and shares_one_gpu(exp, gpus) and not exp.cluster.shared_gpu:
+    if gpus is None:
+        return exp
+    if shares_one_gpu(exp, gpus) and not exp.cluster.shared_gpu:
         exp = exp.updated("cluster.shared_gpu=true")
+    names = device_names(server_devices(exp, gpus))
+    if names and (gpu := recorded_gpu(exp, names)) != exp.hardware.gpu_spec.name:
+        exp = exp.updated(f"hardware.gpu={gpu}")
     return exp
+
+
+def device_names(devices: set[str]) -> dict[str, str]:
+    """CUDA's name of each of `devices` (torch.cuda.get_device_name); none unless every one is a
+    CUDA device of this host."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    indices = {d: (torch.device(d).index or 0) if d.startswith("cuda") else count for d in devices}
+    if not devices or max(indices.values()) >= count:
+        return {}
+    return {d: torch.cuda.get_device_name(i) for d, i in indices.items()}
+
+
+def recorded_gpu(exp: Experiment, names: dict[str, str]) -> str:
+    """The catalogue GPU a run of `exp` records, given the CUDA name of each device its
+    servers run on (`names`): the one their names are (`DEVICE_NAMES`), so that a run on an
+    H100 of an experiment that names an H200 replays on an H100; else the experiment's, with a
+    warning that its roofline replays model that one."""
+    found = {DEVICE_NAMES.get(name) for name in names.values()}
+    if len(found) == 1 and (gpu := found.pop()) is not None:
+        return gpu.name
+    said = ", ".join(f"{d} is {name}" for d, name in sorted(names.items()))
+    known = ", ".join(sorted(DEVICE_NAMES))
+    warnings.warn(
+        f"{said}: not one GPU of the catalogue ({known}); the run records hardware.gpu="
+        f"{exp.hardware.gpu_spec.name} as the experiment gives it, and its roofline replays "
+        "model that GPU",
+        stacklevel=3,
+    )
+    return exp.hardware.gpu_spec.name
+
+
+def server_devices(exp: Experiment, gpus: int) -> set[str]:
+    """The devices the servers of `exp` run on, on a host of `gpus` CUDA GPUs (`rank_devices`)."""
+    devices: set[str] = set()
+    for role, g in exp.cluster.groups.items():
+        device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
+        devices |= set(rank_devices(device, g.tp * g.dp, gpus))
+    return devices
 
 
 def shares_one_gpu(exp: Experiment, gpus: int) -> bool:
     """Whether the servers of `exp`, more than one process, all run on one CUDA GPU of a host
-    of `gpus` (`rank_devices`): their passes share it there."""
-    devices: set[int] = set()
-    for role, g in exp.cluster.groups.items():
-        device = exp.hw.prefill_device if role == "prefill" else exp.hw.decode_device
-        if device == "cpu":
-            return False
-        devices |= {torch.device(d).index or 0 for d in rank_devices(device, g.tp * g.dp, gpus)}
+    of `gpus` (`server_devices`): their passes share it there."""
+    devices = server_devices(exp, gpus)
+    if "cpu" in devices:
+        return False
     processes = sum(g.nodes * g.tp * g.dp for g in exp.cluster.groups.values())
-    return len(devices) == 1 and processes > 1
+    return len({torch.device(d).index or 0 for d in devices}) == 1 and processes > 1
 
 
 def node_configs(
