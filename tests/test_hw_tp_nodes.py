@@ -9,6 +9,7 @@ once (the driver, a node of two ranks and one of four: TP2 <-> TP4, the KV heads
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -364,7 +365,8 @@ def test_a_run_records_the_gpu_its_servers_ran_on(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_a_run_on_this_gpu_records_it() -> None:
-    """On a GPU of the catalogue, a run's experiment names that GPU, not the one it was given."""
+    """On a GPU of the catalogue, a run's experiment names that GPU, not the catalogue GPU it was
+    given; a GPU table of the experiment's own stays."""
     name = torch.cuda.get_device_name(0)
     if name not in DEVICE_NAMES:
         pytest.skip(f"{name} is not in the catalogue")
@@ -373,3 +375,7 @@ def test_gpu_a_run_on_this_gpu_records_it() -> None:
     exp = build_experiment({}, [*TINY_ONE_RANK, f"hardware.gpu={other}", *devices])
     ran = hw_experiment(exp, torch.cuda.device_count())
     assert ran.hardware.gpu_spec is DEVICE_NAMES[name]
+    own = {"name": "my-gpu", "bf16_flops": 1e15, "hbm_bandwidth_bps": 3e12, "hbm_bytes": 8e10}
+    custom = exp.updated(f"hardware.gpu={json.dumps(own | {'nvlink_bandwidth_bps': 4e11})}")
+    kept = hw_experiment(custom, torch.cuda.device_count()).hardware.gpu_spec
+    assert kept.name == "my-gpu"  # a table of its own is the experiment's model of the device

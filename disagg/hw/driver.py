@@ -95,14 +95,15 @@ class HwRun:
 def hw_experiment(exp: Experiment, gpus: int | None = None) -> Experiment:
     """`exp` as a hardware run runs it, so that the run's experiment.json records it and its
     replay simulates that: its KV pool given (HW_PAGES unless set); and, given this host's
-    `gpus`, `cluster.shared_gpu` where every server runs on one GPU (`shares_one_gpu`) and
-    the GPU its servers run on as `hardware.gpu` (`recorded_gpu`)."""
+    `gpus`, `cluster.shared_gpu` where every server runs on one GPU (`shares_one_gpu`) and,
+    where the experiment names a catalogue GPU, the one its servers run on as `hardware.gpu`
+    (`recorded_gpu`; a table of the experiment's own is its model of the device, and kept)."""
     exp = exp if exp.kv.pages else exp.updated(f"kv.pages={HW_PAGES}")
     if gpus is None:
         return exp
     if shares_one_gpu(exp, gpus) and not exp.cluster.shared_gpu:
         exp = exp.updated("cluster.shared_gpu=true")
-    names = device_names(server_devices(exp, gpus))
+    names = device_names(server_devices(exp, gpus)) if isinstance(exp.hardware.gpu, str) else {}
     if names and (gpu := recorded_gpu(exp, names)) != exp.hardware.gpu_spec.name:
         exp = exp.updated(f"hardware.gpu={gpu}")
     return exp
