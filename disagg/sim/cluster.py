@@ -214,10 +214,7 @@ class Node(Generic[R]):
             yield from gpu.run(seconds, not prefill)
             return
         host = min(seconds, self.cost.host_s(prefill, decodes))
-        if isinstance(gpu, TurnGPU):
-            yield from gpu.run(seconds - host, not prefill, host, decodes)
-        else:
-            yield from gpu.run(seconds - host, not prefill, host)
+        yield from gpu.run(seconds - host, not prefill, host, decodes)
 
     def run_pass(self, batch: Batch) -> Proc:
         raise NotImplementedError

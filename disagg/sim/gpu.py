@@ -46,9 +46,40 @@ def round_robin(alone_s: float, total_s: float, passes: int, switch_s: float) ->
     return 1.0 if passes == 1 else alone_s / (total_s + switch_s * passes / 2)
 
 
-class SharedGPU:
-    """The passes running on one GPU: `run` (a light process's `yield from`) takes as long as
-    `seconds` of the GPU to itself take at the paces the passes beside it leave."""
+class _OneGPU:
+    """What both rules' GPUs do alike: `run` (a light process's `yield from`) puts a pass's host
+    time around its device time (`_device`, each rule's), and counts what sharing added."""
+
+    def __init__(self, env: Clock, host_before: float) -> None:
+        self.env = env
+        self.host_before = host_before  # the part of a pass's host time before its device time
+        self.shared = 0  # passes that ran beside another
+        self.lost_s = 0.0  # what sharing added to them, all together
+
+    def run(
+        self, seconds: float, decode_only: bool, host_s: float | None = None, seqs: int = 0
+    ) -> Generator[Any, Any, None]:
+        """A pass of `seconds` on the device (`seqs`: a decode pass's sequences) and, if given,
+        `host_s` on the host, which takes no turns: `host_before` of it before the device
+        time, the rest after."""
+        env, before = self.env, self.host_before
+        if host_s:
+            yield host_s * before
+        t0 = env._now
+        yield from self._device(seconds, decode_only, seqs)
+        if env._now - t0 > seconds * (1 + 1e-9):
+            self.shared += 1
+            self.lost_s += env._now - t0 - seconds
+        if host_s and before < 1:
+            yield host_s * (1 - before)
+
+    def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
+        raise NotImplementedError
+
+
+class SharedGPU(_OneGPU):
+    """The passes running on one GPU: `run` takes as long as `seconds` of the GPU to itself
+    take at the paces the passes beside it leave."""
 
     def __init__(
         self,
@@ -59,19 +90,16 @@ class SharedGPU:
         host_before: float = 1.0,
         chunk_extra_s: float = 0.0,
     ) -> None:
-        self.env = env
+        super().__init__(env, host_before)
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
         self.weights = (decode_share, prefill)  # decode-only, with a prompt chunk
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
-        self.host_before = host_before  # the part of a pass's host time before its device time
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         self.alone: set[Signal] = set()  # passes with a chunk that have met no other pass yet
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
-        self.shared = 0  # passes that ran beside another
-        self.lost_s = 0.0  # what sharing added to them, all together
 
     def weight(self, seconds: float, decode_only: bool) -> float:
         if self.switch_s is not None:
@@ -104,16 +132,9 @@ class SharedGPU:
         total = w + sum(p[1] for p in self.running.values())
         return seconds / self.pace(w, total, len(self.running) + 1)
 
-    def run(
-        self, seconds: float, decode_only: bool, host_s: float | None = None
-    ) -> Generator[Any, Any, None]:
-        """A pass of `seconds` on the device and, if given, `host_s` on the host, which takes
-        no turns: `host_before` of it before the device time, the rest after."""
-        env, before = self.env, self.host_before
-        if host_s is not None:
-            yield host_s * before
+    def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
         self._advance()
-        done, t0 = env.event(), env._now
+        done = self.env.event()
         work = self.work_s(seconds, decode_only)
         self._meet()
         if not decode_only and not self.running:
@@ -121,11 +142,6 @@ class SharedGPU:
         self.running[done] = [work, self.weight(work, decode_only)]
         self._schedule()
         yield done
-        if env._now - t0 > seconds * (1 + 1e-9):
-            self.shared += 1
-            self.lost_s += env._now - t0 - seconds
-        if host_s is not None and before < 1:
-            yield host_s * (1 - before)
 
     def _advance(self) -> None:
         now = self.env._now
@@ -162,7 +178,7 @@ class SharedGPU:
 EXTRA_YIELD_SEQS = 16
 
 
-class TurnGPU:
+class TurnGPU(_OneGPU):
     """The turns rule (`cluster.turn_slice_s` set): the GPU runs one process's work at a time
     and passes to the next process with work queued at each turn's end, `switch_s` apart, as
     kernel timelines of both servers on one H200 and one H100 showed (docs/calibration.md):
@@ -179,16 +195,13 @@ class TurnGPU:
     def __init__(
         self, env: Clock, slice_s: float, switch_s: float, chunk_turns: int, host_before: float
     ) -> None:
-        self.env = env
+        super().__init__(env, host_before)
         self.slice_s, self.switch_s, self.chunk_turns = slice_s, switch_s, chunk_turns
-        self.host_before = host_before
         self.queues: dict[Signal, list[float]] = {}  # pass -> its turns left, last first
         self.owner: Signal | None = None  # the pass whose turn is running (None: GPU idle)
         self.last: Signal | None = None  # the pass whose turn ran last
         self.decode_s, self.decode_seqs = 0.0, 0  # the last decode pass's, for `expected_s`
         self.decode_end = -math.inf  # and when it ended
-        self.shared = 0  # passes that ran beside another
-        self.lost_s = 0.0  # what sharing added to them, all together
 
     def turns(self, seconds: float, decode_only: bool, seqs: int = 0) -> list[float]:
         """A pass's turns in order (`seqs`: a decode pass's sequences): a zero turn is a
@@ -209,28 +222,17 @@ class TurnGPU:
         per_layer = seconds / self.chunk_turns + 2 * self.switch_s
         return self.chunk_turns * per_layer + self.chunk_turns / yields * self.decode_s
 
-    def run(
-        self, seconds: float, decode_only: bool, host_s: float | None = None, seqs: int = 0
-    ) -> Generator[Any, Any, None]:
-        """A pass of `seconds` on the device, in turns, and `host_s` on the host beside
-        (`seqs`: a decode pass's sequences)."""
-        env, host = self.env, host_s or 0.0
-        if host:
-            yield host * self.host_before
+    def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
+        """The pass's turns (`turns`), round robin with the others'."""
         if decode_only:
             self.decode_s, self.decode_seqs = seconds, seqs
-        done, t0 = env.event(), env._now
+        done = self.env.event()
         self.queues[done] = self.turns(seconds, decode_only, seqs)[::-1]
         if self.owner is None:
             self._next()
         yield done
         if decode_only:
-            self.decode_end = env._now
-        if env._now - t0 > seconds * (1 + 1e-9):
-            self.shared += 1
-            self.lost_s += env._now - t0 - seconds
-        if host and self.host_before < 1:
-            yield host * (1 - self.host_before)
+            self.decode_end = self.env._now
 
     def _next(self) -> None:
         """Start the next turn: of the pass after the last one to run that has turns left
@@ -241,7 +243,7 @@ class TurnGPU:
             self.owner = None
             return
         at = order.index(self.last) + 1 if self.last in self.queues else 0
-        p = (order[at:] + order[:at])[0]
+        p = order[at % len(order)]
         switch = self.switch_s if self.owner is not None and self.last is not p else 0.0
         work = self.queues[p].pop()
         self.owner = self.last = p
