@@ -388,12 +388,13 @@ class Experiment(_Frozen):
 
     @model_validator(mode="after")
     def _prefill_graphs(self) -> Experiment:
-        """hw.latency.prefill_graphs fits dense GQA models on one rank a node (disagg.hw.pieces)."""
+        """hw.latency.prefill_graphs fits GQA models on one rank a node, their experts (if
+        any) grouped (disagg.hw.pieces)."""
         sizes, spec = self.hw.latency.prefill_graphs, self.model.spec
         if not sizes:
             return self
         why = [f"{spec.name} is MLA"] if spec.attention == "mla" else []
-        why += [f"{spec.name} has routed experts"] if spec.is_moe else []
+        why += ["hw.moe is reference"] if spec.is_moe and self.hw.moe != "grouped" else []
         why += [
             f"cluster.{role} has tp={g.tp} x dp={g.dp}"
             for role, g in self.cluster.groups.items()
@@ -401,8 +402,8 @@ class Experiment(_Frozen):
         ]
         if why:
             raise ValueError(
-                f"hw.latency.prefill_graphs={list(sizes)}: for dense GQA models on one rank a "
-                f"node, but {'; '.join(why)}"
+                f"hw.latency.prefill_graphs={list(sizes)}: for GQA models on one rank a node, "
+                f"their experts grouped, but {'; '.join(why)}"
             )
         return self
 

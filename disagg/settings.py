@@ -34,8 +34,8 @@ class LatencyConfig(_Frozen):
     overlap: bool = True
     # a pass with a prompt chunk of at most max(prefill_graphs) new tokens, all told, replays
     # CUDA graphs of its work between attentions, captured at start for each size here and run
-    # at the next size up (disagg.hw.pieces; dense GQA models on one rank only); (): each such
-    # pass is launched op by op
+    # at the next size up (disagg.hw.pieces; GQA models on one rank, experts grouped); ():
+    # each such pass is launched op by op
     prefill_graphs: tuple[PositiveInt, ...] = ()
     # a prefill posts a pass's metadata when its last layer is seen, ordered after the pass on
     # the wire (the cuda wire's copy stream waits on an event), instead of after a host sync

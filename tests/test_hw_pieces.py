@@ -19,7 +19,8 @@ from disagg.hw.cache import KVCache
 from disagg.hw.model import Transformer
 from disagg.hw.pieces import PrefillPieces
 from disagg.hw.runner import Runner
-from disagg.hw.specs import small_gqa, tiny_gqa, tiny_mla
+from disagg.hw.specs import small_gqa, small_moe, tiny_gqa, tiny_mla, tiny_moe
+from disagg.models import ModelSpec
 from disagg.settings import pieces_size
 
 PAGE = 16
@@ -50,13 +51,18 @@ def but_scratch(cache: KVCache) -> list[torch.Tensor]:
     return [layer[: cache.scratch_page] for layer in cache.layers]
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_a_pass_in_pieces_gives_the_eager_pass(layout: str) -> None:
+@pytest.mark.parametrize(
+    ("spec", "layout"),
+    [(tiny_gqa(layers=3), "HND"), (tiny_gqa(layers=3), "NHD"), (tiny_moe(layers=3), "HND")],
+    ids=["dense-HND", "dense-NHD", "moe-HND"],
+)
+def test_a_pass_in_pieces_gives_the_eager_pass(spec: ModelSpec, layout: str) -> None:
     """A mixed pass of 51 tokens padded to 64, then one of 3: the eager pass's logits, hidden
     states and pages (padding writes only the scratch page), up to the rounding of GEMMs over
     64 rows instead of 3 (float32 here), with the same greedy tokens. The second pass finds
-    the first one's tokens in the buffers."""
-    m = Transformer(tiny_gqa(layers=3), seed=1)
+    the first one's tokens in the buffers. An MoE model's padding rows go to experts too,
+    without changing the real rows' outputs."""
+    m = Transformer(spec, seed=1)
     eager_cache, pieces_cache = twin_caches(m, layout)
     shape = m.attn_shape(PAGE, eager_cache.layout.layout)
     pieces = PrefillPieces(m, pieces_cache, 64, capture=False)
@@ -102,17 +108,28 @@ def test_pieces_size_is_the_smallest_that_holds_the_pass() -> None:
     assert pieces_size([], 5) is None
 
 
-def test_prefill_graphs_for_a_model_they_do_not_fit_is_a_clear_error() -> None:
-    m = Transformer(tiny_mla(), seed=0)
-    with pytest.raises(ConfigError, match=r"prefill_graphs \[64\]: for dense GQA models"):
-        Runner(m, m.new_cache(8, PAGE), prefill_graphs=(64,))
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (Transformer(tiny_mla(), seed=0), "not tiny-mla$"),
+        (Transformer(tiny_moe(), seed=0, moe="reference"), "not tiny-moe with hw.moe=reference"),
+    ],
+    ids=["mla", "moe-reference"],
+)
+def test_prefill_graphs_for_a_model_they_do_not_fit_is_a_clear_error(
+    model: Transformer, why: str
+) -> None:
+    """MLA, and experts whose counts go to the host (the reference path), cannot be captured."""
+    with pytest.raises(ConfigError, match=rf"prefill_graphs \[64\]: for GQA models on one .*{why}"):
+        Runner(model, model.new_cache(8, PAGE), prefill_graphs=(64,))
 
 
-def test_servers_in_pieces_serve_the_tokens_of_servers_without(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-moe"])
+def test_servers_in_pieces_serve_the_tokens_of_servers_without(tmp_path, model: str) -> None:  # type: ignore[no-untyped-def]
     """Real servers on this CPU, disaggregated with prompt chunks of 8 tokens (the prefill
     server's passes) and decode passes of up to 5 rows, all in pieces of 8: every request's
     tokens as the same servers give them without (prompts of 6-30 tokens, 3-7 out)."""
-    data = experiment("tiny-gqa", "disagg", "HND", 8)
+    data = experiment(model, "disagg", "HND", 8)
     _, without = run(tmp_path, "without", data)
     data["hw"] = {"latency": {"prefill_graphs": [8]}}
     summary, within = run(tmp_path, "within", data)
@@ -130,6 +147,7 @@ def test_servers_in_pieces_serve_the_tokens_of_servers_without(tmp_path) -> None
     [
         ("tiny-mla", "colocated", "tiny-mla is MLA"),
         ("tiny-gqa", "disagg", "cluster.prefill has tp=2 x dp=1"),
+        ("tiny-moe", "colocated", "hw.moe is reference"),
     ],
 )
 def test_prefill_graphs_where_they_do_not_fit_are_a_clear_error(
@@ -138,6 +156,8 @@ def test_prefill_graphs_where_they_do_not_fit_are_a_clear_error(
     data = experiment(model, mode, "HND", 8)
     if mode == "disagg":
         data["cluster"]["prefill"]["tp"] = 2
+    if model == "tiny-moe":
+        data["hw"] = {"moe": "reference"}
     with pytest.raises(ConfigError, match=rf"hw.latency.prefill_graphs=\[64\]: .*{why}"):
         build_experiment(data, ["hw.latency.prefill_graphs=[64]"])
 
@@ -153,13 +173,14 @@ def test_prefill_graphs_take_positive_sizes_only() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_a_pass_replayed_in_pieces_gives_the_eager_logits() -> None:
+@pytest.mark.parametrize("spec", [small_gqa(), small_moe()], ids=["dense", "moe"])
+def test_gpu_a_pass_replayed_in_pieces_gives_the_eager_logits(spec: ModelSpec) -> None:
     """On a GPU with FlashInfer: the mixed pass replays the captured pieces of 64 and gives an
     eager runner's logits and greedy tokens (bf16 GEMMs over 64 rows or 51 may differ in the
     last bits); the layer counter, captured in the graphs, counts every layer; a capture error
-    would have left passes eager and said so."""
+    would have left passes eager and said so. An MoE model's grouped experts are captured."""
     pytest.importorskip("flashinfer", reason="the pieces' attention is FlashInfer's")
-    m = Transformer(small_gqa(), seed=4, device="cuda")
+    m = Transformer(spec, seed=4, device="cuda")
     eager = Runner(m, m.new_cache(24, PAGE), graph_batches=())
     pieces = Runner(m, m.new_cache(24, PAGE), graph_batches=(), prefill_graphs=(64,))
     pieces.capture_pieces()

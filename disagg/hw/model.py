@@ -349,9 +349,10 @@ class Transformer:
 
     @property
     def piecewise(self) -> bool:
-        """Whether a pass runs as `piece`s: a dense GQA model on one rank (a pass's work then
-        depends on its tokens alone, but for attention)."""
-        return not self.mla and not self.moes and self.tp is None
+        """Whether a pass runs as `piece`s: a GQA model on one rank, its experts (if any)
+        grouped (a pass's work then depends on its tokens alone, but for attention, and its
+        experts' counts stay on the device)."""
+        return not self.mla and self.tp is None and (not self.moes or self.moe == "grouped")
 
     def piece(
         self,

@@ -3,8 +3,10 @@
 A pass with a prompt chunk runs eagerly: its attention's plan follows its sequences, so no one
 graph fits it. Launched op by op, a Llama-3.1-8B forward takes the host 11-31 ms on an H200,
 as long as a chunk of 400 tokens takes the device (benchmarks/results/2026-12-05b-gpu/), so
-small chunks wait on their launch. Everything but the attention depends on the pass's token
-count alone. `PrefillPieces` captures that work, for a padded size of `tokens` tokens, as one
+small chunks wait on their launch; a Qwen3-30B-A3B forward of 12 layers took 19-25 ms
+(benchmarks/results/2026-12-06d-gpu/). Everything but the attention depends on the pass's token
+count alone (an MoE layer's grouped experts too: their counts stay on the device).
+`PrefillPieces` captures that work, for a padded size of `tokens` tokens, as one
 graph per stretch between two attentions (`Transformer.piece`): the embedding and layer 0's
 qkv; each layer's output projection, MLP and the next layer's qkv; the last layer's. A pass of
 up to `tokens` tokens copies its inputs into the graphs' buffers, pads the rest (their K/V go

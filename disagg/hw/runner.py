@@ -222,9 +222,11 @@ class Runner:
         if len(cache.layers) != model.spec.layers:
             raise ConfigError(f"cache has {len(cache.layers)} layers, model {model.spec.layers}")
         if prefill_graphs and not model.piecewise:
+            how = " on TP ranks" if model.tp else ""
+            how += " with hw.moe=reference" if model.moes and model.moe != "grouped" else ""
             raise ConfigError(
-                f"hw.latency.prefill_graphs {list(prefill_graphs)}: for dense GQA models on one "
-                f"rank only, not {model.spec.name}{' on TP ranks' if model.tp else ''}"
+                f"hw.latency.prefill_graphs {list(prefill_graphs)}: for GQA models on one rank "
+                f"(their experts grouped) only, not {model.spec.name}{how}"
             )
         self.model, self.cache, self.device = model, cache, model.device
         self.shape = model.attn_shape(cache.page_size, cache.layout.layout)  # this rank's heads
