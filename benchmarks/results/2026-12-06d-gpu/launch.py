@@ -2,7 +2,7 @@
 their device time and of the host's launch of their forward (`launch_s`), ms, by chunk size,
 over every run of each workload. Where launch_s is about device_s the device waited on the host.
 
-    python benchmarks/results/2026-12-06d-gpu/launch.py > benchmarks/results/2026-12-06d-gpu/launch.md
+    cd benchmarks/results/2026-12-06d-gpu && python launch.py > launch.md
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ def main() -> None:
     rows = []
     for setup in ("eager", "pieces"):
         s = passes(setup)
-        s["mode"] = s.run.str.split("-").str[0]
         s["chunk"] = pd.cut(s.prefill_tokens, BINS).astype(str)
-        g = s.groupby(["mode", "chunk", "node"], observed=True)
-        for (mode, chunk, node), p in g:
+        for (node, chunk), p in s.groupby(["node", "chunk"], observed=True):
             rows.append(
                 {
                     "setup": setup,
