@@ -9,7 +9,9 @@ validation, so a bad override gets the same clear error as a bad file.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -166,6 +168,10 @@ class ClusterConfig(_Frozen):
     # its start or later: a fixed cost of sharing, whatever the chunk (sim/gpu.py; disagg
     # validate fits it)
     chunk_extra_s: float = Field(default=0.0, ge=0.0)
+    # (seconds, factor) points, seconds increasing: a pass whose work takes `seconds` alone adds
+    # chunk_extra_s times the factor interpolated at its time alone, held at the ends (disagg
+    # validate measures it from the passes); (): every pass adds chunk_extra_s
+    chunk_extra_shape: tuple[tuple[float, float], ...] = ()
     # set: the passes there take turns kernel by kernel instead, each advancing at its time
     # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and
     # the shares are unused; disagg validate measures it
@@ -174,6 +180,19 @@ class ClusterConfig(_Frozen):
     # sim/gpu.py): a chunk pass a layer a turn, a decode pass this much device time a turn and a
     # turn's yield before and after its device time, switch_s (or nothing) between turns
     turn_slice_s: float | None = Field(default=None, gt=0.0)
+
+    @field_validator("chunk_extra_shape")
+    @classmethod
+    def _shape_points(cls, v: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        """Seconds from 0 up, each above the one before; factors finite and not below 0."""
+        seconds = [-1.0, *(s for s, _ in v)]
+        rising = all(a < b for a, b in itertools.pairwise(seconds))
+        if not rising or not all(0 <= f < math.inf for _, f in v):
+            raise ValueError(
+                f"{[list(p) for p in v]}: give (seconds, factor) points, seconds from 0 up and "
+                "increasing, factors of 0 or more"
+            )
+        return v
 
     @model_validator(mode="after")
     def _scheduler_roles(self) -> ClusterConfig:

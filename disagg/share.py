@@ -15,7 +15,8 @@ kind (of another node) did as much work as they would alone; that work grows wit
 so bisection finds it, the other share held. `shares` fits both, in turns. With a chunk extra
 (`cluster.chunk_extra_s`: a chunk pass beside decodes has that much more work, whatever its
 chunk), the prefill share is 1 and `shares_at_full_pace` gives the decode share and the
-extra the passes show (disagg.validate.fit_extra fits the extra by replays).
+extra the passes show (disagg.validate.fit_extra fits the extra by replays); `extra_shape`
+gives how the passes' extra follows their time alone (`cluster.chunk_extra_shape`).
 
 The same run also says how fast its decode server runs the passes that met no chunk pass,
 against a colocated server's passes alone (`decode_scale`): the simulator's
@@ -23,6 +24,7 @@ against a colocated server's passes alone (`decode_scale`): the simulator's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -184,6 +186,38 @@ def shares_at_full_pace(
     a = _fit(steps, decode_alone, decode=True)(1.0)
     want, n, work = _overlaps(steps, chunk_alone, decode=False)
     return a, max((work(a, 1.0) - want) / n, 0.0)
+
+
+MIN_SHAPE_PASSES = 3  # passes with a chunk of one size, for the size to be a point of the shape
+
+
+def extra_shape(steps: pd.DataFrame, shaped: pd.Series) -> tuple[tuple[float, float], ...]:
+    """The chunk extra's shape (the cluster's chunk_extra_shape) that `steps` show: their passes
+    with a prompt chunk that met a decode pass of another node, by size (the chunk's tokens
+    rounded up to a power of two, as prefill pieces of those sizes run them). Each size with
+    MIN_SHAPE_PASSES such passes or more is a point: their median time alone (`shaped`, per row
+    of `steps`: the profile's device time at its shape), and their median extra (device time
+    less that) over the extra of the size with the most passes, at least 0. () with fewer
+    than two sizes, or where that size's extra is not above 0."""
+    met = list(overlap_segments(steps, decode=False))
+    rows = steps.iloc[met]
+    alone = shaped.to_numpy(float)[met]
+    passes = pd.DataFrame(
+        {
+            "size": 2.0 ** np.ceil(np.log2(rows.prefill_tokens.to_numpy(float))),
+            "alone": alone,
+            "extra": rows.device_s.to_numpy(float) - alone,
+        }
+    ).dropna()
+    sizes = passes.groupby("size").agg(
+        n=("extra", "size"), alone=("alone", "median"), extra=("extra", "median")
+    )
+    kept = sizes[sizes.n >= MIN_SHAPE_PASSES].sort_values("alone")
+    ref = float(sizes.extra.to_numpy()[sizes.n.to_numpy().argmax()]) if len(sizes) else math.nan
+    if len(kept) < 2 or not ref > 0:
+        return ()
+    factors = np.maximum(kept.extra.to_numpy(float) / ref, 0.0)
+    return tuple(zip(kept.alone.to_numpy(float).tolist(), factors.tolist(), strict=True))
 
 
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak

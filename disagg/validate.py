@@ -74,6 +74,7 @@ from disagg.share import (
     decode_line,
     decode_scale,
     decode_scale_at_shape,
+    extra_shape,
     overlap_segments,
     shares,
     shares_at_full_pace,
@@ -561,6 +562,7 @@ WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the 
 # share.json's keys: the weights, with a chunk extra or not, the round robin's switch_s, or
 # the turns rule's slice with it
 SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s", "turn_slice_s")
+SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) points
 # the turns rule's slice as kernel timelines of both servers on one H200 and one H100 showed
 # it: from one prefill turn to the next that preempts the decoder, 2.416 ms, two switches of
 # 0.13 ms and 2.15 of the decoder's device time (benchmarks/results/2026-12-06-gpu); its
@@ -605,15 +607,15 @@ def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
     return dict(zip(WEIGHTS, fitted, strict=True))
 
 
-def share_overrides(fitted: Mapping[str, float]) -> list[str]:
+def share_overrides(fitted: Mapping[str, Any]) -> list[str]:
     """The replays' overrides of `fitted` shares: with a switch cost, the round robin; else
-    the weights (no chunk extra unless fitted), whatever the run had."""
+    the weights (no chunk extra, or none of a shape, unless fitted), whatever the run had."""
     if "switch_s" in fitted:
         rule = {"turn_slice_s": None} | dict(fitted)
-        return [f"cluster.{k}={'null' if v is None else repr(v)}" for k, v in rule.items()]
-    weights = {"chunk_extra_s": 0.0} | dict(fitted)
-    nulls = ("cluster.switch_s=null", "cluster.turn_slice_s=null")
-    return [*(f"cluster.{k}={v!r}" for k, v in weights.items()), *nulls]
+    else:
+        rule = {"chunk_extra_s": 0.0, SHAPE: ()} | dict(fitted)
+        rule |= {"switch_s": None, "turn_slice_s": None}
+    return [f"cluster.{k}={json.dumps(v)}" for k, v in rule.items()]
 
 
 def replay_error(run: Path, overrides: Sequence[str], out: Path) -> float:
@@ -706,7 +708,9 @@ def fit_extra(
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     run = pd.read_parquet(shared / "steps.parquet")
     a, passes_s = shares_at_full_pace(run, decode_line(steps), chunk_line(steps))
-    weights = {"decode_share": a, "prefill_share": 1.0}
+    weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
+    if has_shapes(run) and "device_s" in run:
+        weights[SHAPE] = extra_shape(run, shape_device(run, load_experiment(shared, [*on_profile])))
 
     def error(extra_s: float) -> float:
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})
@@ -718,7 +722,7 @@ def fit_extra(
 
 def calibration_shares(
     cal: Path, on_profile: Sequence[str] | None = None, say: Callable[[str], None] = print
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The shares of a validate directory's calibration `cal`: fitted anew on its
     disaggregated run where it has one, so that a replay after a change to the fit gets the
     change, and written to its share.json; else what share.json holds, if there is one. The
@@ -792,13 +796,17 @@ def calibration_decode_scale(
     return {"profile_decode_scale": scale}
 
 
-def read_shares(path: Path) -> dict[str, float]:
-    """share.json's shares (`SHARES`; a file of an earlier validate may hold only the first)."""
+def read_shares(path: Path) -> dict[str, Any]:
+    """share.json's shares (`SHARES`, and `SHAPE`; a file of an earlier validate may hold only
+    the first)."""
     fitted = json.loads(path.read_text())
-    return {k: float(fitted[k]) for k in SHARES if k in fitted}
+    out: dict[str, Any] = {k: float(fitted[k]) for k in SHARES if k in fitted}
+    if SHAPE in fitted:
+        out[SHAPE] = tuple((float(x), float(y)) for x, y in fitted[SHAPE])
+    return out
 
 
-def said_shares(fitted: Mapping[str, float]) -> str:
+def said_shares(fitted: Mapping[str, Any]) -> str:
     """`fitted` shares in words, for the progress line (no prefill share: 1 - the decode's)."""
     if "turn_slice_s" in fitted:
         slice_ms, switch_ms = fitted["turn_slice_s"] * 1e3, fitted["switch_s"] * 1e3
@@ -809,6 +817,9 @@ def said_shares(fitted: Mapping[str, float]) -> str:
     b = fitted.get("prefill_share", 1 - a)
     extra = fitted.get("chunk_extra_s", 0.0)
     beside = f", chunk extra {extra * 1e3:.3g} ms" if extra else ""
+    if extra and fitted.get(SHAPE):
+        points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHAPE])
+        beside += f" times by its time alone {points}"
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f}){beside}"
 
 

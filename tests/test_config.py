@@ -33,6 +33,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_o
         "decode_share": 0.5,
         "prefill_share": None,
         "chunk_extra_s": 0.0,
+        "chunk_extra_shape": (),
         "switch_s": None,
         "turn_slice_s": None,
     }
@@ -123,6 +124,14 @@ def test_parse_override_values() -> None:
         (
             "cluster.router.seed=3",
             "cluster.router: router 'least_loaded': seed: Extra inputs are not permitted",
+        ),
+        (
+            "cluster.chunk_extra_shape=[[0.02,1],[0.01,0.5]]",
+            "cluster.chunk_extra_shape: [[0.02, 1.0], [0.01, 0.5]]: give (seconds, factor) points",
+        ),
+        (
+            "cluster.chunk_extra_shape=[[0.01,-1]]",
+            "cluster.chunk_extra_shape: [[0.01, -1.0]]: give (seconds, factor) points",
         ),
     ],
 )

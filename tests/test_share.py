@@ -16,6 +16,7 @@ from disagg.share import (
     decode_line,
     decode_scale,
     decode_share,
+    extra_shape,
     overlap_segments,
     prefill_share,
     shares,
@@ -129,6 +130,25 @@ def test_at_full_pace_a_chunk_pass_beside_decodes_costs_its_time_alone_plus_the_
     assert (a, extra) == pytest.approx((0.4, 0.050), rel=1e-9)
     quick = _rows(("p", 0.0, 0.010, 0, 1024), ("d", 0.002, 0.006, 1, 0))
     assert shares_at_full_pace(quick, decode, chunk)[1] == 0.0
+
+
+def test_the_extra_s_shape_is_read_by_chunk_size_from_the_passes_that_met_a_decode() -> None:
+    """Hand arithmetic. Beside a decode pass that runs throughout: three chunks of 300-512
+    tokens (one size: 512) took 10 ms more than their 10 ms alone, four of 2,048 tokens 20 ms
+    more than their 30 ms alone, two of 1,024 (too few for a point) 40 ms more. A pass of 4,096
+    after the decode ended met none. The shape: 0.5 at 10 ms, 1 at 30 ms (the extra of the
+    size with the most passes). One size alone, or an extra of 0 there, gives none."""
+    chunks = [(300, 0.010, 0.020), (400, 0.010, 0.020), (512, 0.010, 0.020)]
+    chunks += [(2048, 0.030, 0.050)] * 4 + [(1024, 0.015, 0.055)] * 2
+    passes = [("p", 0.1 * i, device, 0, n) for i, (n, _, device) in enumerate(chunks)]
+    run = _rows(("d", 0.0, 1.0, 1, 0), *passes, ("p", 2.0, 0.06, 0, 4096))
+    run["device_s"] = [1.0, *(device for _, _, device in chunks), 0.06]
+    shaped = pd.Series([np.nan, *(alone for _, alone, _ in chunks), 0.04], index=run.index)
+    shape = extra_shape(run, shaped)
+    assert [x for p in shape for x in p] == pytest.approx([0.010, 0.5, 0.030, 1.0])
+    assert extra_shape(run.iloc[:4], shaped.iloc[:4]) == ()
+    even = run.assign(device_s=shaped.fillna(1.0))  # no pass took longer than alone
+    assert extra_shape(even, shaped) == ()
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

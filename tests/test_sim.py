@@ -319,11 +319,12 @@ def _ends(
     prefill: float | None = None,
     switch_s: float | None = None,
     extra: float = 0.0,
+    shape: tuple[tuple[float, float], ...] = (),
 ) -> list[float]:
     """When each (start, seconds alone, decode-only) pass ends on a SharedGPU (`extra`: its
-    chunk_extra_s)."""
+    chunk_extra_s, `shape` its chunk_extra_shape)."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill, switch_s, chunk_extra_s=extra)
+    gpu = SharedGPU(env, share, prefill, switch_s, chunk_extra_s=extra, chunk_extra_shape=shape)
 
     def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
         yield start
@@ -392,6 +393,23 @@ def test_a_chunk_pass_takes_the_extra_once_it_meets_another_pass() -> None:
     # a chunk pass after it, begun alone at 45 ms and met by nothing: its time
     after = [*late, (45e-3, 30e-3, False)]
     assert _ends(after, 0.25, 1.0, extra=10e-3)[2] == pytest.approx(75e-3, abs=1e-12)
+
+
+def test_a_chunk_pass_takes_the_extra_its_time_alone_gives_on_the_shape() -> None:
+    """Hand arithmetic, decode share 0.25, prefill share 1, a chunk extra of 10 ms shaped 0.5
+    at 10 ms alone and 1 at 30 ms. A 20 ms chunk pass from 0 meets a 6 ms decode begun at
+    10 ms: its extra is 10 x 0.75 = 7.5 ms, so it ends at 10 + 10 + 7.5 = 27.5 ms; the decode
+    does 17.5 x 0.25 = 4.375 ms of its work by then and its last 1.625 alone. The shape holds
+    at its ends: a 5 ms pass beside a decode takes 5 ms more, a 40 ms one 10 ms more."""
+    shape = ((0.010, 0.5), (0.030, 1.0))
+    late = [(0.0, 20e-3, False), (10e-3, 6e-3, True)]
+    assert _ends(late, 0.25, 1.0, extra=10e-3, shape=shape) == pytest.approx(
+        [27.5e-3, 29.125e-3], abs=1e-12
+    )
+    for alone, extra in ((5e-3, 5e-3), (40e-3, 10e-3)):
+        beside = [(0.0, 1.0, True), (0.0, alone, False)]  # a decode of 1 s: beside throughout
+        ends = _ends(beside, 0.25, 1.0, extra=10e-3, shape=shape)
+        assert ends[1] == pytest.approx(alone + extra, abs=1e-12)
 
 
 def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:

@@ -488,6 +488,7 @@ class Sim:
                 c.switch_s,
                 exp.cost.profile_host_before,
                 c.chunk_extra_s,
+                c.chunk_extra_shape,
             )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]

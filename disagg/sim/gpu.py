@@ -18,17 +18,21 @@ than alone. Three rules say how much; a pass alone always runs at full speed.
   1 - decode_share, so the capacity is 1 and the GPU's work is conserved; above that, passes
   beside each other do more than one GPU's work alone would. A pass with a prompt chunk that
   meets another pass, beside it at its start or begun later, also has `cluster.chunk_extra_s`
-  more work to do, once, whatever its chunk: on one H100, a prefill pass beside a decode
-  server took its time alone at nearly full pace plus about 50 ms, 256 tokens or 2,048, eager
-  or in pieces, its KV sent layer by layer or whole; and a 2,048-token pass that began alone
-  and then met a decode pass took as long as one that began beside it, on an H100 and an H200
-  (docs/calibration.md)."""
+  more work to do, once: on one H100, a Llama-3.1-8B prefill pass beside a decode server took
+  its time alone at nearly full pace plus about 50 ms, 256 tokens or 2,048, eager or in
+  pieces, its KV sent layer by layer or whole; and a 2,048-token pass that began alone and
+  then met a decode pass took as long as one that began beside it, on an H100 and an H200
+  (docs/calibration.md). With `cluster.chunk_extra_shape` the extra follows the pass's time
+  alone: a Qwen3-30B-A3B pass took 14-17 ms more up to 19 ms alone and 29-33 ms more at
+  29 ms (benchmarks/results/2026-12-06d-gpu/)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
+
+import numpy as np
 
 from disagg.sim.clock import Clock, Signal
 
@@ -89,6 +93,7 @@ class SharedGPU(_OneGPU):
         switch_s: float | None = None,
         host_before: float = 1.0,
         chunk_extra_s: float = 0.0,
+        chunk_extra_shape: Sequence[tuple[float, float]] = (),
     ) -> None:
         super().__init__(env, host_before)
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
@@ -96,8 +101,12 @@ class SharedGPU(_OneGPU):
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
+        # the shape's seconds and factors (one point of factor 1 without a shape)
+        self.shape_s = np.array([s for s, _ in chunk_extra_shape] or [0.0])
+        self.shape_f = np.array([f for _, f in chunk_extra_shape] or [1.0])
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
-        self.alone: set[Signal] = set()  # passes with a chunk that have met no other pass yet
+        # passes with a chunk that have met no other pass yet -> the extra they would add
+        self.alone: dict[Signal, float] = {}
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
 
@@ -112,16 +121,21 @@ class SharedGPU(_OneGPU):
             return round_robin(weight, total, passes, self.switch_s)
         return pace(weight, total, self.capacity)
 
+    def extra_s(self, seconds: float) -> float:
+        """The work a pass with a chunk of `seconds` alone adds once it meets another pass:
+        `chunk_extra_s`, times the shape's factor at `seconds`."""
+        return self.chunk_extra_s * float(np.interp(seconds, self.shape_s, self.shape_f))
+
     def work_s(self, seconds: float, decode_only: bool) -> float:
         """The work of a pass of `seconds` alone started now: with a prompt chunk beside
-        another pass, `chunk_extra_s` more."""
-        return seconds + (self.chunk_extra_s if self.running and not decode_only else 0.0)
+        another pass, its `extra_s` more."""
+        return seconds + (self.extra_s(seconds) if self.running and not decode_only else 0.0)
 
     def _meet(self) -> None:
         """A pass begins: the passes with a chunk that began alone and have met no other pass
-        until now take `chunk_extra_s` more work."""
-        for p in self.alone:
-            self.running[p][0] += self.chunk_extra_s
+        until now take their extra work."""
+        for p, extra in self.alone.items():
+            self.running[p][0] += extra
         self.alone.clear()
 
     def expected_s(self, seconds: float, decode_only: bool) -> float:
@@ -138,7 +152,7 @@ class SharedGPU(_OneGPU):
         work = self.work_s(seconds, decode_only)
         self._meet()
         if not decode_only and not self.running:
-            self.alone.add(done)
+            self.alone[done] = self.extra_s(seconds)
         self.running[done] = [work, self.weight(work, decode_only)]
         self._schedule()
         yield done
@@ -167,7 +181,7 @@ class SharedGPU(_OneGPU):
             return  # a pass began or ended since this timer was set
         self._advance()
         del self.running[first]
-        self.alone.discard(first)
+        self.alone.pop(first, None)
         first.succeed()
         self._schedule()
 
