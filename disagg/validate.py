@@ -9,10 +9,10 @@ Stages, each announced through `say`:
    replays (`fit_chunk_offsets`), and how long their decode passes ran in each CUDA graph
    and just after a pass with a prompt chunk (`fit_decode_passes`); where the disaggregated
    servers share one GPU, a run of its own that shows how they share it (`measure_share`):
-   every replay fits both rules of the simulator's shared GPU on it (the decode and prefill
-   shares, and the round robin's switch cost) and gets the one whose replay of that run
-   comes closer to it
-   (`calibration_shares`), and the speed of its decode server's passes that met no prefill
+   every replay fits the rules of the simulator's shared GPU on it (the decode and prefill
+   shares; those with a chunk extra, shaped by the passes' time alone; the round robin's
+   switch cost; the turns' switch) and gets the one whose replay of that run comes closest
+   to it (`calibration_shares`), and the speed of its decode server's passes that met no prefill
    pass (`calibration_decode_scale`); and every replay takes the control plane's hop measured
    on the calibration runs (`control_hop`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
