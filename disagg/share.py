@@ -3,12 +3,12 @@ the simulator's shared GPU (disagg/sim/gpu.py) needs to give the passes the leng
 under its weights rule: `cluster.decode_share` and `cluster.prefill_share` (the round robin's
 `cluster.switch_s` is fitted by replays instead: disagg.validate.fit_switch).
 
-A pass alone takes `alone(size)` seconds: a line over batch size for a decode pass
-(`decode_line`), over chunk tokens for one with a prompt chunk (`chunk_line`), each fitted to
-the passes of a run with one process on the GPU. Beside other passes a pass advances at the
-simulator's pace: at decode share a and prefill share b, a decode pass's pace is
-min(1, (a + b) a / (a * decodes running + b * others running)), itself among the decodes, and
-a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's work. Given
+A pass alone takes `alone(size)` seconds: by batch size for a decode pass (`decode_alone`,
+each size's median), as a line over chunk tokens for one with a prompt chunk (`chunk_line`),
+each from the passes of a run with one process on the GPU. Beside other passes a pass
+advances at the simulator's pace: at decode share a and prefill share b, a decode pass's pace
+is min(1, (a + b) a / (a * decodes running + b * others running)), itself among the decodes,
+and a chunk pass's the same with b above (alone, 1); b = 1 - a conserves the GPU's work. Given
 where every pass of the run began and ended, each pass's work at a share is that pace summed
 over its time. A share is the one at which the passes of its kind that met a pass of the other
 kind (of another node) did as much work as they would alone; that work grows with the share,
@@ -46,14 +46,19 @@ def _line(x: np.ndarray, per_pass: np.ndarray) -> Line:
     return lambda size: fixed + slope * size
 
 
-def decode_line(steps: pd.DataFrame) -> Line:
-    """Seconds per decode pass as a line over batch size, from the decode-only passes of
-    `steps`."""
+def decode_alone(steps: pd.DataFrame) -> Line:
+    """Seconds per decode pass by batch size, from the decode-only passes of `steps`: each
+    batch size's median, never less than a smaller batch's, interpolated between them and held
+    beyond them. Not a line: a server replays a decode pass in the CUDA graph of the next power
+    of two, so its time steps up past each, and an MoE pass's grows with the experts its batch
+    picks, fast and then slowly (docs/calibration.md)."""
     decodes = steps[steps.prefill_tokens == 0]
     if len(decodes) < 2:
         raise ConfigError("the run for the decode pass alone has fewer than two decode passes")
-    per_pass = (decodes.duration_s / decodes.steps).to_numpy(float)
-    return _line(decodes.decode_seqs.to_numpy(float), per_pass)
+    per_pass = pd.Series((decodes.duration_s / decodes.steps).to_numpy(float))
+    medians = per_pass.groupby(decodes.decode_seqs.to_numpy(float)).median()
+    xs, ys = medians.index.to_numpy(float), np.maximum.accumulate(medians.to_numpy(float))
+    return lambda size: np.interp(size, xs, ys)
 
 
 def chunk_line(steps: pd.DataFrame) -> Line:
@@ -146,7 +151,7 @@ def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | No
 
 def decode_share(steps: pd.DataFrame, alone: Line, prefill_share: float | None = None) -> float:
     """The decode share (module doc) that the decode passes of `steps`, a run of processes on
-    one GPU, show against `alone` seconds per pass by batch size (`decode_line`), beside chunk
+    one GPU, show against `alone` seconds per pass by batch size (`decode_alone`), beside chunk
     passes at `prefill_share` (None: 1 - the decode share); within SHARE_BOUNDS."""
     return _fit(steps, alone, decode=True)(prefill_share)
 

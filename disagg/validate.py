@@ -71,7 +71,7 @@ from disagg.fidelity import (
 )
 from disagg.share import (
     chunk_line,
-    decode_line,
+    decode_alone,
     decode_scale,
     decode_scale_at_shape,
     extra_shape,
@@ -602,7 +602,7 @@ def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
     (those without decodes where there are enough: `chunk_line`)."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     fitted = shares(
-        pd.read_parquet(shared / "steps.parquet"), decode_line(steps), chunk_line(steps)
+        pd.read_parquet(shared / "steps.parquet"), decode_alone(steps), chunk_line(steps)
     )
     return dict(zip(WEIGHTS, fitted, strict=True))
 
@@ -707,7 +707,7 @@ def fit_extra(
     is left in `out`."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     run = pd.read_parquet(shared / "steps.parquet")
-    a, passes_s = shares_at_full_pace(run, decode_line(steps), chunk_line(steps))
+    a, passes_s = shares_at_full_pace(run, decode_alone(steps), chunk_line(steps))
     weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
     if has_shapes(run) and "device_s" in run:
         weights[SHAPE] = extra_shape(run, shape_device(run, load_experiment(shared, [*on_profile])))

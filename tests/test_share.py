@@ -13,7 +13,7 @@ from disagg.share import (
     MIN_ALONE_PASSES,
     MIN_CHUNK_PASSES,
     chunk_line,
-    decode_line,
+    decode_alone,
     decode_scale,
     decode_share,
     extra_shape,
@@ -51,7 +51,7 @@ def test_the_fit_finds_the_share_a_simulated_shared_gpu_ran_at(path: str) -> Non
     share back (within 1%), against the decode line of the colocated run (one process)."""
     base = load_experiment(EXPERIMENTS / path, ["workload.duration_s=20"])
     disagg = other_mode(base)
-    alone = decode_line(_steps(base))
+    alone = decode_alone(_steps(base))
     for share in (0.25, 0.6):
         steps = _steps(disagg.updated("cluster.shared_gpu=true", f"cluster.decode_share={share}"))
         assert decode_share(steps, alone) == pytest.approx(share, rel=0.01)
@@ -69,7 +69,7 @@ def test_the_fit_finds_both_shares_a_simulated_gpu_of_more_capacity_ran_at(path:
             "cluster.shared_gpu=true", "cluster.decode_share=0.3", "cluster.prefill_share=0.85"
         )
     )
-    assert shares(shared, decode_line(apart), chunk_line(apart)) == pytest.approx(
+    assert shares(shared, decode_alone(apart), chunk_line(apart)) == pytest.approx(
         (0.3, 0.85), rel=0.01
     )
 
@@ -78,7 +78,7 @@ def test_a_decode_pass_inside_a_prefill_pass_gives_its_slowdown_as_the_share() -
     """Hand arithmetic: a 24 ms decode pass wholly inside a prefill pass of another node, 6 ms
     alone, ran at a quarter: s / (s + 1 - s) = s = 0.25. A decode pass of a third node in the
     same window (two decodes beside the prefill) would make it s / (2 s + 1 - s)."""
-    alone = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    alone = decode_alone(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
     assert alone(np.array([4.0])).tolist() == pytest.approx([6e-3])
     one = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.010, 0.024, 1, 0))
     assert decode_share(one, alone) == pytest.approx(0.25, rel=1e-9)
@@ -119,7 +119,7 @@ def test_at_full_pace_a_chunk_pass_beside_decodes_costs_its_time_alone_plus_the_
     pass's pace beside a chunk pass of share 1 is (a + 1) a / (a + 1) = a = 0.4. A pass that
     ran faster than alone gives no negative extra."""
     chunk = chunk_line(_rows(("c", 0.0, 0.015, 0, 1024), ("c", 0.1, 0.030, 0, 2048)))
-    decode = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    decode = decode_alone(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
     run = _rows(
         ("p", 0.0, 0.065, 0, 1024),
         ("d", 0.010, 0.015, 1, 0),
@@ -167,7 +167,7 @@ def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:
             "cluster.chunk_extra_s=0.02",
         )
     )
-    a, extra = shares_at_full_pace(shared, decode_line(apart), chunk_line(apart))
+    a, extra = shares_at_full_pace(shared, decode_alone(apart), chunk_line(apart))
     assert a == pytest.approx(0.4, rel=0.01)
     assert extra == pytest.approx(0.02, rel=0.01)
 
@@ -186,8 +186,19 @@ def test_a_chunk_pass_alone_is_read_from_the_passes_without_decodes() -> None:
     assert few(np.array([2048.0]))[0] > 0.018 + 0.005  # the mixed passes pull it up
 
 
+def test_a_decode_pass_alone_takes_its_batch_sizes_median() -> None:
+    """Hand arithmetic: passes of 1 sequence took 6 ms (twice), of 2 6.5 ms, of 4 9 ms, of 8
+    8 and 9.5 ms (median 8.75, held at 9: a larger batch never runs faster). Between sizes the
+    time is interpolated (3: 7.75 ms), beyond them held; a pass with a chunk is not read."""
+    passes = [(1, 0.006), (1, 0.006), (2, 0.0065), (4, 0.009), (8, 0.008), (8, 0.0095)]
+    rows = [("c", float(i), d, b, 0) for i, (b, d) in enumerate(passes)]
+    alone = decode_alone(_rows(*rows, ("c", 9.0, 0.5, 3, 512)))
+    sizes = np.array([0.5, 1, 2, 3, 4, 8, 16], float)
+    assert alone(sizes).tolist() == pytest.approx([6e-3, 6e-3, 6.5e-3, 7.75e-3, 9e-3, 9e-3, 9e-3])
+
+
 def test_the_fit_says_why_it_cannot_fit() -> None:
-    alone = decode_line(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    alone = decode_alone(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
     apart = _rows(("p", 0.0, 0.040, 0, 2048), ("d", 0.050, 0.006, 1, 0))
     with pytest.raises(ConfigError, match="no decode pass met a prompt pass"):
         decode_share(apart, alone)
@@ -195,7 +206,7 @@ def test_the_fit_says_why_it_cannot_fit() -> None:
     with pytest.raises(ConfigError, match="one pass a row"):
         decode_share(runs, alone)
     with pytest.raises(ConfigError, match="fewer than two decode passes"):
-        decode_line(apart.iloc[:1])
+        decode_alone(apart.iloc[:1])
 
 
 def test_the_decode_scale_is_its_passes_beside_no_prefill_over_a_colocated_servers() -> None:
