@@ -185,9 +185,9 @@ class ClusterConfig(_Frozen):
     @classmethod
     def _shape_points(cls, v: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
         """Seconds from 0 up, each above the one before; factors finite and not below 0."""
-        seconds = [-1.0, *(s for s, _ in v)]
+        seconds = [s for s, _ in v]
         rising = all(a < b for a, b in itertools.pairwise(seconds))
-        if not rising or not all(0 <= f < math.inf for _, f in v):
+        if not rising or min(seconds, default=0.0) < 0 or not all(0 <= f < math.inf for _, f in v):
             raise ValueError(
                 f"{[list(p) for p in v]}: give (seconds, factor) points, seconds from 0 up and "
                 "increasing, factors of 0 or more"

@@ -133,6 +133,10 @@ def test_parse_override_values() -> None:
             "cluster.chunk_extra_shape=[[0.01,-1]]",
             "cluster.chunk_extra_shape: [[0.01, -1.0]]: give (seconds, factor) points",
         ),
+        (
+            "cluster.chunk_extra_shape=[[-0.5,1]]",
+            "cluster.chunk_extra_shape: [[-0.5, 1.0]]: give (seconds, factor) points",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_value(override: str, message: str) -> None:
