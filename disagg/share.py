@@ -25,12 +25,13 @@ against a colocated server's passes alone (`decode_scale`): the simulator's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 
 from disagg.errors import ConfigError
+from disagg.settings import pieces_size
 
 SHARE_BOUNDS = (0.01, 0.99)
 MIN_CHUNK_PASSES = 8
@@ -196,33 +197,47 @@ def shares_at_full_pace(
 MIN_SHAPE_PASSES = 3  # passes with a chunk of one size, for the size to be a point of the shape
 
 
-def extra_shape(steps: pd.DataFrame, shaped: pd.Series) -> tuple[tuple[float, float], ...]:
-    """The chunk extra's shape (the cluster's chunk_extra_shape) that `steps` show: their passes
-    with a prompt chunk that met a decode pass of another node, by size (the chunk's tokens
-    rounded up to a power of two, as prefill pieces of those sizes run them). Each size with
-    MIN_SHAPE_PASSES such passes or more is a point: their median time alone (`shaped`, per row
-    of `steps`: the profile's device time at its shape), and their median extra (device time
-    less that) over the extra of the size with the most passes, at least 0. () with fewer
-    than two sizes, or where that size's extra is not above 0."""
-    met = list(overlap_segments(steps, decode=False))
-    rows = steps.iloc[met]
-    alone = shaped.to_numpy(float)[met]
-    passes = pd.DataFrame(
-        {
-            "size": 2.0 ** np.ceil(np.log2(rows.prefill_tokens.to_numpy(float))),
-            "alone": alone,
-            "extra": rows.device_s.to_numpy(float) - alone,
-        }
-    ).dropna()
+def extra_shape(
+    runs: Sequence[tuple[pd.DataFrame, pd.Series]], pieces: Sequence[int] = ()
+) -> tuple[tuple[float, float], ...]:
+    """The chunk extra's shape (the cluster's chunk_extra_shape) that runs show, each its steps
+    and, per row, the profile's device time at its shape (alone on its node): their passes with
+    a prompt chunk that met a decode pass of another node, pooled over the runs, by size (the
+    piece of `pieces`, hw.latency.prefill_graphs, that replays the chunk; else its tokens
+    rounded up to a power of two).
+    Each size with MIN_SHAPE_PASSES such passes or more is a point: their median time alone,
+    and their median extra (device time less that) over the extra of the size with the most
+    passes, at least 0. () with fewer than two sizes, or where that size's extra is not above
+    0."""
+    met = [_met_chunks(steps, shaped, pieces) for steps, shaped in runs]
+    passes = pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
+    if passes.empty:
+        return ()
     sizes = passes.groupby("size").agg(
         n=("extra", "size"), alone=("alone", "median"), extra=("extra", "median")
     )
     kept = sizes[sizes.n >= MIN_SHAPE_PASSES].sort_values("alone")
-    ref = float(sizes.extra.to_numpy()[sizes.n.to_numpy().argmax()]) if len(sizes) else math.nan
+    ref = float(sizes.extra.to_numpy()[sizes.n.to_numpy().argmax()])
     if len(kept) < 2 or not ref > 0:
         return ()
     factors = np.maximum(kept.extra.to_numpy(float) / ref, 0.0)
     return tuple(zip(kept.alone.to_numpy(float).tolist(), factors.tolist(), strict=True))
+
+
+def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int]) -> pd.DataFrame:
+    """`extra_shape`'s passes of one run: size, time alone and extra of each chunk pass that
+    met a decode pass of another node."""
+    met = list(overlap_segments(steps, decode=False))
+    rows = steps.iloc[met]
+    alone = shaped.to_numpy(float)[met]
+    tokens = rows.prefill_tokens.to_numpy(int) + rows.decode_seqs.to_numpy(int)
+    return pd.DataFrame(
+        {
+            "size": [pieces_size(pieces, n) or 2 ** math.ceil(math.log2(n)) for n in tokens],
+            "alone": alone,
+            "extra": rows.device_s.to_numpy(float) - alone,
+        }
+    )
 
 
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak

@@ -8,13 +8,14 @@ Stages, each announced through `say`:
    profile replays add, with the chunk offsets that every replay fits on those runs'
    replays (`fit_chunk_offsets`), and how long their decode passes ran in each CUDA graph
    and just after a pass with a prompt chunk (`fit_decode_passes`); where the disaggregated
-   servers share one GPU, a run of its own that shows how they share it (`measure_share`):
-   every replay fits the rules of the simulator's shared GPU on it (the decode and prefill
-   shares; those with a chunk extra, shaped by the passes' time alone; the round robin's
-   switch cost; the turns' switch) and gets the one whose replay of that run comes closest
-   to it (`calibration_shares`), and the speed of its decode server's passes that met no prefill
-   pass (`calibration_decode_scale`); and every replay takes the control plane's hop measured
-   on the calibration runs (`control_hop`);
+   servers share one GPU, runs of their own at the lowest and the highest load that show
+   how they share it (`measure_share`): every replay fits the rules of the simulator's
+   shared GPU on them (the decode and prefill shares; those with a chunk extra, shaped by
+   the passes' time alone; the round robin's switch cost; the turns' switch) and gets the
+   one whose replays of those runs come closest to them (`calibration_shares`), and the
+   speed of the decode server's passes that met no prefill pass
+   (`calibration_decode_scale`); and every replay takes the control plane's hop measured on
+   the calibration runs (`control_hop`);
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; then
    the colocated one under each of `schedulers` (`with_schedulers`); each run `hw_runs` times
@@ -570,17 +571,23 @@ SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) po
 TURN_SLICE_S = 2.15e-3
 
 
-def share_run(out: Path, rates: Sequence[float]) -> Path:
-    """Where `measure_share` under `out` puts its disaggregated run: at the highest of `rates`."""
-    return out / f"disagg-{max(rates):g}rps"
+def share_runs(out: Path, rates: Sequence[float]) -> list[tuple[float, Path]]:
+    """Where `measure_share` under `out` puts its disaggregated runs, and their loads: at the
+    highest of `rates`, then at the lowest."""
+    ends = sorted({min(rates), max(rates)}, reverse=True)
+    return [(rate, out / f"disagg-{rate:g}rps") for rate in ends]
 
 
-def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float]) -> Path | None:
-    """The run that says how this host's GPU is shared, where the experiments' disaggregated
+def measure_share(
+    exps: Sequence[Experiment], out: Path, rates: Sequence[float], resume: bool = False
+) -> list[Path]:
+    """The runs that say how this host's GPU is shared, where the experiments' disaggregated
     servers all run on one GPU (`cluster.shared_gpu` in their runs): a disaggregated run of its
-    own seed at the highest of `rates` (`share_run`), whose shares the replays fit
-    (`calibration_shares`). Its directory; None where the servers have GPUs of their own, or
-    no GPU."""
+    own seed at the highest of `rates` and one at the lowest (`share_runs`), whose shares the
+    replays fit (`calibration_shares`). At the highest load most prompt chunks fill the token
+    budget; the lowest runs the smaller ones, which the chunk extra's shape needs
+    (`disagg.share.extra_shape`). Their directories (with `resume`, a run with a summary is
+    kept); none where the servers have GPUs of their own, or no GPU."""
     import torch
 
     from disagg.hw.driver import hw_experiment, run_hw
@@ -588,11 +595,15 @@ def measure_share(exps: Sequence[Experiment], out: Path, rates: Sequence[float])
     disagg = next((e for e in exps if e.cluster.mode == "disagg"), None)
     disagg = disagg or other_mode(exps[0])
     if not hw_experiment(disagg, torch.cuda.device_count()).cluster.shared_gpu:
-        return None
-    where, seed = share_run(out, rates), disagg.seed + CALIBRATION_SEED + len(rates)
-    shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
-    run_hw(calibration_run(disagg, seed, max(rates)), where)
-    return where
+        return []
+    runs = share_runs(out, rates)
+    for i, (rate, where) in enumerate(runs):
+        if resume and (where / "summary.json").exists():
+            continue
+        shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
+        seed = disagg.seed + CALIBRATION_SEED + len(rates) + i
+        run_hw(calibration_run(disagg, seed, rate), where)
+    return [where for _, where in runs]
 
 
 def fit_shares(shared: Path, alone: Sequence[Path]) -> dict[str, float]:
@@ -618,13 +629,16 @@ def share_overrides(fitted: Mapping[str, Any]) -> list[str]:
     return [f"cluster.{k}={json.dumps(v)}" for k, v in rule.items()]
 
 
-def replay_error(run: Path, overrides: Sequence[str], out: Path) -> float:
-    """How far the replay of `run` with `overrides` (written to `out`) is from it: the mean
-    over METRICS of |log sim/hw| (a metric a short run lacks left out)."""
-    hw = json.loads((run / "summary.json").read_text())
-    sim, _ = replay(run, list(overrides), out)
-    got = (ratio(sim.get(k, math.nan), hw.get(k, math.nan)) for k in METRICS.values())
-    logs = [abs(math.log(r)) for r in got if r > 0]  # NaN fails r > 0
+def replay_error(runs: Sequence[Path], overrides: Sequence[str], out: Path) -> float:
+    """How far the replays of `runs` with `overrides` (each written to `out/RUN`) are from
+    them: the mean over the runs and METRICS of |log sim/hw| (a metric a short run lacks
+    left out)."""
+    logs = []
+    for run in runs:
+        hw = json.loads((run / "summary.json").read_text())
+        sim, _ = replay(run, list(overrides), out / run.name)
+        got = (ratio(sim.get(k, math.nan), hw.get(k, math.nan)) for k in METRICS.values())
+        logs += [abs(math.log(r)) for r in got if r > 0]  # NaN fails r > 0
     return sum(logs) / len(logs) if logs else math.inf
 
 
@@ -666,10 +680,10 @@ def golden(
     return best, least
 
 
-def fit_switch(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[float, float]:
-    """The round robin's switch cost whose replay of `shared` (the calibration's run on one
-    GPU) on the profile (`on_profile`) is closest to it (`replay_error`), searched over
-    SWITCH_RANGE_S (`golden`), and that error; its replay is left in `out`."""
+def fit_switch(shared: Sequence[Path], on_profile: Sequence[str], out: Path) -> tuple[float, float]:
+    """The round robin's switch cost whose replays of `shared` (the calibration's runs on one
+    GPU) on the profile (`on_profile`) are closest to them (`replay_error`), searched over
+    SWITCH_RANGE_S (`golden`), and that error; their replays are left in `out`."""
 
     def error(switch_s: float) -> float:
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
@@ -681,10 +695,12 @@ TURN_SWITCH_RANGE_S = (0.0, 4e-4)  # where the turns rule's switch is searched, 
 TURN_STEP_S = 5e-6
 
 
-def fit_turns(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[dict[str, float], float]:
+def fit_turns(
+    shared: Sequence[Path], on_profile: Sequence[str], out: Path
+) -> tuple[dict[str, float], float]:
     """The turns rule at its measured slice (`TURN_SLICE_S`) with the switch between turns whose
-    replay of `shared` on the profile is closest to it, searched over TURN_SWITCH_RANGE_S, and
-    that error; its replay is left in `out`."""
+    replays of `shared` on the profile are closest to them, searched over TURN_SWITCH_RANGE_S,
+    and that error; their replays are left in `out`."""
 
     def rule(switch_s: float) -> dict[str, float]:
         return {"turn_slice_s": TURN_SLICE_S, "switch_s": switch_s}
@@ -697,20 +713,25 @@ def fit_turns(shared: Path, on_profile: Sequence[str], out: Path) -> tuple[dict[
 
 
 def fit_extra(
-    shared: Path, alone: Sequence[Path], on_profile: Sequence[str], out: Path
+    shared: Sequence[Path], alone: Sequence[Path], on_profile: Sequence[str], out: Path
 ) -> tuple[dict[str, float], float, float]:
-    """The weights with a chunk extra (cluster.chunk_extra_s) of `shared`, its chunk passes at
-    full pace beside the decodes (prefill share 1): the decode share its passes show
-    (`shares_at_full_pace`, against the passes of `alone` as in `fit_shares`), and the chunk
-    extra whose replay of it on the profile (`on_profile`) is closest to it, searched over
-    EXTRA_RANGE_S (`golden`); that error; and the extra the passes themselves show. Its replay
-    is left in `out`."""
+    """The weights with a chunk extra (cluster.chunk_extra_s) of the runs `shared` (the
+    highest load first), their chunk passes at full pace beside the decodes (prefill share 1):
+    the decode share the first run's passes show (`shares_at_full_pace`, against the passes of
+    `alone` as in `fit_shares`), the extra's shape that all their passes show (`extra_shape`,
+    against the profile at their shape, by the prefill piece that replays them), and the
+    chunk extra whose replays of them on the profile (`on_profile`) are closest to them,
+    searched over EXTRA_RANGE_S (`golden`); that error; and the extra the first run's passes
+    themselves show. Their replays are left in `out`."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
-    run = pd.read_parquet(shared / "steps.parquet")
-    a, passes_s = shares_at_full_pace(run, decode_alone(steps), chunk_line(steps))
+    runs = [(d, pd.read_parquet(d / "steps.parquet")) for d in shared]
+    a, passes_s = shares_at_full_pace(runs[0][1], decode_alone(steps), chunk_line(steps))
     weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
-    if has_shapes(run) and "device_s" in run:
-        weights[SHAPE] = extra_shape(run, shape_device(run, load_experiment(shared, [*on_profile])))
+    timed = [(load_experiment(d, [*on_profile]), run) for d, run in runs]
+    timed = [(exp, run) for exp, run in timed if has_shapes(run) and "device_s" in run]
+    if timed:
+        pieces = timed[0][0].hw.latency.prefill_graphs
+        weights[SHAPE] = extra_shape([(run, shape_device(run, exp)) for exp, run in timed], pieces)
 
     def error(extra_s: float) -> float:
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})
@@ -724,28 +745,30 @@ def calibration_shares(
     cal: Path, on_profile: Sequence[str] | None = None, say: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """The shares of a validate directory's calibration `cal`: fitted anew on its
-    disaggregated run where it has one, so that a replay after a change to the fit gets the
+    disaggregated runs where it has them, so that a replay after a change to the fit gets the
     change, and written to its share.json; else what share.json holds, if there is one. The
-    weights' shares come from the passes (`fit_shares`). Given the replays' profile overrides
-    (`on_profile`), two more rules are fitted with replays of that run: the weights with a
-    chunk extra (`fit_extra`), the round robin (`fit_switch`) and the turns rule's switch at
-    its measured slice (`fit_turns`); the rule whose replay comes closest to it
-    (`replay_error`) is the one kept. Without, the weights."""
-    run, alone = calibration_runs(cal)
-    if run is not None and alone:
-        fitted = fit_shares(run, alone)
+    weights' shares come from the passes of the run at the highest load (`fit_shares`).
+    Given the replays' profile overrides (`on_profile`), more rules are fitted with replays of
+    all the runs: the weights with a chunk extra (`fit_extra`), the round robin
+    (`fit_switch`) and the turns rule's switch at its measured slice (`fit_turns`); the rule
+    whose replays come closest to them (`replay_error`) is the one kept. Without, the
+    weights."""
+    runs, alone = calibration_runs(cal)
+    if runs and alone:
+        fitted = fit_shares(runs[0], alone)
         if on_profile is not None:
-            weights = replay_error(run, [*share_overrides(fitted), *on_profile], cal / "weights")
-            extra, beside, passes_s = fit_extra(run, alone, on_profile, cal / "chunk-extra")
-            switch_s, rr = fit_switch(run, on_profile, cal / "round-robin")
-            turns_fit, turns = fit_turns(run, on_profile, cal / "turns")
+            weights = replay_error(runs, [*share_overrides(fitted), *on_profile], cal / "weights")
+            extra, beside, passes_s = fit_extra(runs, alone, on_profile, cal / "chunk-extra")
+            switch_s, rr = fit_switch(runs, on_profile, cal / "round-robin")
+            turns_fit, turns = fit_turns(runs, on_profile, cal / "turns")
             at_ms = f"at {extra['chunk_extra_s'] * 1e3:.3g} ms; the passes: {passes_s * 1e3:.3g}"
             said = (
                 f"weights {weights:.3f}, chunk extra {beside:.3f} ({at_ms}), "
                 f"round robin {rr:.3f} (at {switch_s * 1e3:.3g} ms), "
                 f"turns {turns:.3f} (at {turns_fit['switch_s'] * 1e3:.3g} ms)"
             )
-            say(f"shared GPU: mean |log sim/hw| on {run.name}: {said}")
+            names = " and ".join(run.name for run in runs)
+            say(f"shared GPU: mean |log sim/hw| on {names}: {said}")
             rules = [(weights, fitted), (beside, extra), (rr, {"switch_s": switch_s})]
             rules.append((turns, turns_fit))
             fitted = min(rules, key=lambda rule: rule[0])[1]
@@ -754,12 +777,14 @@ def calibration_shares(
     return read_shares(cal / "share.json") if (cal / "share.json").exists() else {}
 
 
-def calibration_runs(cal: Path) -> tuple[Path | None, list[Path]]:
-    """A calibration directory's disaggregated run on one GPU (`measure_share`'s; None
-    without one) and its colocated runs (`measure_loop`'s, every repeat)."""
-    shared = sorted(d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists())
+def calibration_runs(cal: Path) -> tuple[list[Path], list[Path]]:
+    """A calibration directory's disaggregated runs on one GPU (`measure_share`'s that
+    finished, the highest load first) and its colocated runs (`measure_loop`'s, every
+    repeat)."""
+    shared = [d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists()]
+    shared.sort(key=lambda d: -float(d.name.removeprefix("disagg-").removesuffix("rps")))
     alone = [d for d in sorted(cal.glob("*rps*")) if loop_repeat(d.name) is not None]
-    return (shared[-1] if shared else None), alone
+    return shared, alone
 
 
 def by_repeat(alone: Sequence[Path]) -> list[list[Path]]:
@@ -773,16 +798,16 @@ def by_repeat(alone: Sequence[Path]) -> list[list[Path]]:
 def calibration_decode_scale(
     cal: Path, on_profile: Sequence[str], say: Callable[[str], None] = print
 ) -> dict[str, float]:
-    """The calibration `cal`'s `cost.profile_decode_scale`, as a loop cost: its
-    disaggregated run's decode passes that met no prefill pass against the profile at their
-    shape (`on_profile`: the overrides of the replays' profile and loop costs, the graph
+    """The calibration `cal`'s `cost.profile_decode_scale`, as a loop cost: its disaggregated
+    run's (at the highest load) decode passes that met no prefill pass against the profile at
+    their shape (`on_profile`: the overrides of the replays' profile and loop costs, the graph
     scales among them; `disagg.share.decode_scale_at_shape`), or, where its steps table
     predates the shapes, against its colocated runs' passes (`disagg.share.decode_scale`);
     {} without those runs or their device times."""
-    run, alone = calibration_runs(cal)
-    if run is None or not alone:
+    shared, alone = calibration_runs(cal)
+    if not shared or not alone:
         return {}
-    steps = pd.read_parquet(run / "steps.parquet")
+    run, steps = shared[0], pd.read_parquet(shared[0] / "steps.parquet")
     if "device_s" in steps and has_shapes(steps):
         unscaled = load_experiment(run, [*on_profile, "cost.profile_decode_scale=1.0"])
         shaped = shape_device(steps, unscaled)
@@ -856,11 +881,11 @@ def validate(
         costs, kept = measure_loop(exps, cal, ends, opts.calibration_runs, opts.resume), ""
     times = f", {opts.calibration_runs} times each" if opts.calibration_runs > 1 else ""
     say(f"serving loop (runs of their own at {loads} req/s{times}): {described(costs)}{kept}")
-    gpu_run = f"shared GPU: a disaggregated run of its own at {max(ends):g} req/s"
-    if opts.resume and (share_run(cal, ends) / "summary.json").exists():
-        say(f"{gpu_run}, kept")
-    elif measure_share(exps, cal, ends) is not None:
-        say(f"{gpu_run}, for the replays to fit the shares on")
+    gpu_runs = f"shared GPU: disaggregated runs of their own at {loads} req/s"
+    if opts.resume and all((d / "summary.json").exists() for _, d in share_runs(cal, ends)):
+        say(f"{gpu_runs}, kept")
+    elif measure_share(exps, cal, ends, opts.resume):
+        say(f"{gpu_runs}, for the replays to fit the shares on")
     runs = plan_runs(exps, rates)
     for i, run in enumerate(runs, 1):
         rate = run.exp.workload.rate_per_s
@@ -975,7 +1000,7 @@ def replay_all(
     calibration = out / "calibration" / "calibration.json"
     costs = json.loads(calibration.read_text()) if calibration.exists() else {}
     shared, alone = calibration_runs(out / "calibration")
-    hop = control_hop([*alone, *([shared] if shared else [])])
+    hop = control_hop([*alone, *shared])
     if hop is not None:  # the host's, not the cost model's: every replay takes it
         said = f"{hop[0] * 1e3:.3g} ms (the median of {hop[1]} that met no pass)"
         say(f"control plane, on its runs: a request's message takes {said}")

@@ -18,6 +18,7 @@ from disagg.core.workload import Arrival, generate
 from disagg.errors import ConfigError
 
 DEFAULT_LOADS = (0.25, 0.5, 0.85)  # fractions of the colocated capacity the profile implies
+MOE_EVERY_BATCH = 32  # an MoE model's decode passes are profiled at every batch up to this
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,11 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     runner replays a decode pass in the CUDA graph of the next power of two (GRAPH_BATCHES),
     so its fixed part steps up past each; and an MoE pass's time follows the experts its batch
     activates, which grows fast and then saturates (Qwen3-30B-A3B's passes of 2-25 sequences
-    ran up to 16% longer than interpolated between batches 1, 6 and 40). Mixed passes, which
-    run eagerly, keep the `points` batches.
+    ran up to 16% longer than interpolated between batches 1, 6 and 40). An MoE model's are
+    profiled at every batch up to MOE_EVERY_BATCH too: a graph's padding rows pick experts of
+    their own, so a pass of 14 sequences in the graph of 16 costs neither the full graph's
+    time nor a line's between its ends. Mixed passes, which run eagerly, keep the `points`
+    batches.
 
     With hw.latency.prefill_graphs, each size up to the largest chunk is a chunk of the grid
     too: a pass replays the piece of the next size up, padded to it, so the profile reads each
@@ -197,7 +201,9 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
     sizes = sorted({*prefill_tokens, *(n for n in pieces if n <= top)})
     decode_batch = log_grid(1, max(batches), points)
-    powers = (2**k for k in range(max(batches).bit_length()))
+    powers = {2**k for k in range(max(batches).bit_length())}
+    if exps[0].model.spec.is_moe:
+        powers |= set(range(1, min(max(batches), MOE_EVERY_BATCH) + 1))
     return Grid(
         # whole prompts past every budget run in passes of their own, up to the longest
         prefill_tokens=(*sizes, *log_grid(top, max(top, *whole), points)[1:]),

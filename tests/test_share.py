@@ -144,11 +144,28 @@ def test_the_extra_s_shape_is_read_by_chunk_size_from_the_passes_that_met_a_deco
     run = _rows(("d", 0.0, 1.0, 1, 0), *passes, ("p", 2.0, 0.06, 0, 4096))
     run["device_s"] = [1.0, *(device for _, _, device in chunks), 0.06]
     shaped = pd.Series([np.nan, *(alone for _, alone, _ in chunks), 0.04], index=run.index)
-    shape = extra_shape(run, shaped)
+    shape = extra_shape([(run, shaped)])
     assert [x for p in shape for x in p] == pytest.approx([0.010, 0.5, 0.030, 1.0])
-    assert extra_shape(run.iloc[:4], shaped.iloc[:4]) == ()
+    assert extra_shape([(run.iloc[:4], shaped.iloc[:4])]) == ()
     even = run.assign(device_s=shaped.fillna(1.0))  # no pass took longer than alone
-    assert extra_shape(even, shaped) == ()
+    assert extra_shape([(even, shaped)]) == ()
+    assert extra_shape([]) == ()
+    # a second run's passes pool with the first's: its two chunks of 1,024 tokens make that
+    # size a point (four passes, 40 and 20 ms more: median 30 ms, over 20 ms: 1.5), and its
+    # two chunks of 2,048 add none to that size's median
+    more = [(1024, 0.015, 0.035)] * 2 + [(2048, 0.030, 0.050)] * 2
+    other = _rows(
+        ("d", 0.0, 1.0, 1, 0), *[("p", 0.1 * i, d, 0, n) for i, (n, _, d) in enumerate(more)]
+    )
+    other["device_s"] = [1.0, *(device for _, _, device in more)]
+    alone = pd.Series([np.nan, *(a for _, a, _ in more)], index=other.index)
+    pooled = extra_shape([(run, shaped), (other, alone)])
+    assert [x for p in pooled for x in p] == pytest.approx([0.010, 0.5, 0.015, 1.5, 0.030, 1.0])
+    # in pieces of 600 and 4,096 tokens (hw.latency.prefill_graphs) the chunks make two
+    # sizes: those of 300-512 tokens, and the ten of 1,024 and 2,048 (four 15 ms alone, six 30
+    # ms: median 30 ms; 20-40 ms more, median 20 ms), the size with the most passes
+    pieced = extra_shape([(run, shaped), (other, alone)], pieces=(600, 4096))
+    assert [x for p in pieced for x in p] == pytest.approx([0.010, 0.5, 0.030, 1.0])
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

@@ -419,7 +419,43 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
         fitted["chunk_extra_shape"] = shape
     assert read_shares(cal / "share.json") == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
-        assert (cal / rule_dir / "summary.json").exists()
+        assert (cal / rule_dir / "disagg-20rps" / "summary.json").exists()
+
+
+def test_the_shares_are_fitted_on_the_shared_runs_at_both_loads_together(tmp_path: Path) -> None:
+    """measure_share's runs at the highest and the lowest load (here 4 and 1.5 req/s, named
+    disagg-20rps and disagg-5rps), both simulated under decode share 0.4 and a chunk extra of
+    20 ms: the fit replays both (in order of load, the highest first) and finds the extra
+    again within 10% on the two together, the decode share (from the highest load's passes)
+    within 1%."""
+    from typer.testing import CliRunner
+
+    from disagg.cli import app
+    from disagg.validate import calibration_runs, calibration_shares
+
+    disagg = other_mode(
+        load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
+    )
+    cal, exp = tmp_path / "calibration", tmp_path / "disagg.json"
+    exp.write_text(disagg.model_dump_json())
+    rule = ["cluster.shared_gpu=true", "cluster.decode_share=0.4", "cluster.prefill_share=1.0"]
+    rule.append("cluster.chunk_extra_s=0.02")
+    runs = {"20rps": [], "disagg-5rps": [*rule, "workload.rate_per_s=1.5"], "disagg-20rps": rule}
+    for name, extra in runs.items():
+        sets = [a for s in extra for a in ("--set", s)]
+        res = CliRunner().invoke(app, ["sim", "run", str(exp), *sets, "--out", str(cal / name)])
+        assert res.exit_code == 0, res.output
+    (cal / "disagg-9rps").mkdir()  # a shared run cut short, without a summary: not one
+    shared, alone = calibration_runs(cal)
+    assert [d.name for d in shared] == ["disagg-20rps", "disagg-5rps"]
+    assert [d.name for d in alone] == ["20rps"]
+    said: list[str] = []
+    fitted = calibration_shares(cal, [], said.append)
+    assert said[0].startswith("shared GPU: mean |log sim/hw| on disagg-20rps and disagg-5rps: ")
+    assert fitted["chunk_extra_s"] == pytest.approx(0.02, rel=0.1)
+    assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
+    for name in ("disagg-20rps", "disagg-5rps"):
+        assert (cal / "chunk-extra" / name / "summary.json").exists()
 
 
 def test_decode_passes_beside_another_nodes_chunk_pass_are_a_kind_of_their_own() -> None:
@@ -1136,19 +1172,26 @@ def test_a_bad_scheduler_setting_is_refused_by_name(text: str, said: str) -> Non
         with_schedulers([load_experiment(TINY)], [text])
 
 
-def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch() -> None:
-    """A decode pass runs in the CUDA graph of the next power of two, and an MoE pass's time
-    follows the experts its batch activates, so the decode axis gets 1, 2, 4, 8, ... up to the
-    batch limit (16) besides its log grid (1, 4, 16 at 3 points; 1, 3, 6, 16 at 4); the mixed
-    passes, which run eagerly, keep the log grid's batches."""
+def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode pass runs in the CUDA graph of the next power of two, so the decode axis gets
+    1, 2, 4, 8, ... up to the batch limit (16) besides its log grid (1, 4, 16 at 3 points; 1,
+    3, 6, 16 at 4). An MoE pass's time follows the experts its rows pick, padding rows too, so
+    an MoE model's axis has every batch up to MOE_EVERY_BATCH as well. The mixed passes, which
+    run eagerly, keep the log grid's batches."""
+    import disagg.validate_plan
+
     dense = load_experiment(TINY, ["workload.num_requests=40"])
     moe = dense.updated("model.name=tiny-moe")
     assert moe.model.spec.is_moe and not dense.model.spec.is_moe
+    assert profile_grid([dense], 3).decode_batch == (1, 2, 4, 8, 16)
+    assert profile_grid([moe], 3).decode_batch == tuple(range(1, 17))
     for exp in (dense, moe):
-        grid = profile_grid([exp], 3)
-        assert grid.decode_batch == (1, 2, 4, 8, 16)
-        assert {b for _, b, _ in grid.mixed} == {1, 4, 16}
+        assert {b for _, b, _ in profile_grid([exp], 3).mixed} == {1, 4, 16}
     assert profile_grid([dense], 4).decode_batch == (1, 2, 3, 4, 6, 8, 16)
+    monkeypatch.setattr(disagg.validate_plan, "MOE_EVERY_BATCH", 5)
+    assert profile_grid([moe], 3).decode_batch == (1, 2, 3, 4, 5, 8, 16)
 
 
 def test_each_piece_up_to_the_largest_chunk_is_a_chunk_of_the_grid() -> None:
@@ -1467,10 +1510,10 @@ def test_validate_measures_each_colocated_scheduler_asked_for(tmp_path: Path) ->
 
 def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: Path) -> None:
     """tiny-moe, prompts of 40 tokens in chunks of 64, arriving faster than they are served: the
-    profile has prefill rows at context 0 only, and decode rows at every power of two of the
-    batch. A pass holding two prompts splits the second, and the replays cost its rest after
-    cached tokens, beyond the grid (on the H200 such a profile priced that at infinity and the
-    run ended in 'KV pages leaked')."""
+    profile has prefill rows at context 0 only, and decode rows at every batch (an MoE model's,
+    up to MOE_EVERY_BATCH). A pass holding two prompts splits the second, and the replays cost
+    its rest after cached tokens, beyond the grid (on the H200 such a profile priced that at
+    infinity and the run ended in 'KV pages leaked')."""
     pytest.importorskip("torch")
     pytest.importorskip("zmq")
     from typer.testing import CliRunner
@@ -1486,7 +1529,7 @@ def test_validate_runs_an_moe_model_whose_prompts_each_fit_one_chunk(tmp_path: P
     assert res.exit_code == 0, res.output
     profiled = pd.read_csv(out / "profile.csv")
     assert set(profiled[profiled.kind == "prefill"].context) == {0}
-    assert sorted(set(profiled[profiled.kind == "decode"].batch)) == [1, 2, 4, 8, 12]
+    assert sorted(set(profiled[profiled.kind == "decode"].batch)) == list(range(1, 13))
     table = pd.read_csv(out / "fidelity.csv")
     assert set(table.run) == {"colocated-1000rps", "disagg-1000rps"}
     assert np.isfinite(table.sim_profile).all() and (table.sim_profile > 0).all()

@@ -25,7 +25,7 @@ from disagg.validate_passes import idle_hops
 def rows(validate: Path) -> list[dict]:
     name = "/".join(validate.parts[-2:])  # its archive's folder and its own
     shared, alone = calibration_runs(validate / "calibration")
-    hop = control_hop([*alone, *([shared] if shared else [])])
+    hop = control_hop([*alone, *shared])
     out = [
         {
             "validate": name,
