@@ -322,6 +322,11 @@ class CostConfig(_Frozen):
     # runs the factor of its batch (interpolated over the points in its graph) x the
     # profile's device time (`disagg validate` measures them on passes long after a chunk pass)
     profile_graph_scales: tuple[tuple[float, float], ...] = ()
+    # with a profile: (batch, factor) points as profile_graph_scales', for a disaggregated
+    # decode node in their place, on top of profile_decode_scale (`disagg validate` measures
+    # them on its decode server's passes beside no prefill pass: on one GPU they ran faster
+    # than a colocated server's at small batches, and as fast at large ones)
+    profile_decode_graph_scales: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = Field(default=15e-6, ge=0)  # per layer: launch gaps
 
     @field_validator("source")

@@ -294,17 +294,28 @@ def graph_table(tmp_path: Path, graphs: bool = True) -> Path:
     return path
 
 
-def test_a_decode_pass_in_a_cuda_graph_costs_its_graphs_line(tmp_path: Path) -> None:
-    """5 decodes of 5,000 cached tokens in all: in a server that replays graphs, the line of
-    the graph of 8 (the smallest row that filled its graph at or above 5; batch 6 replayed 8's
-    and is not one): 14 + 0.5 ms; in one that does not, or with a table that does not say
-    which graph a row replayed, interpolated between 4 and 6: 11 + 1/2 x 1.5 + 0.5 ms. A mixed
-    pass runs eagerly and interpolates. Above the largest graph a pass is itself."""
+def test_a_decode_pass_in_a_cuda_graph_costs_the_rows_its_graph_ran(tmp_path: Path) -> None:
+    """5 decodes of 5,000 cached tokens in all: in a server that replays graphs, the rows that
+    ran in its graph, the graph of 8 (the smallest row that filled its graph at or above 5;
+    batch 6 replayed 8's and is not one): 6 and 8, held below 6: 12.5 + 0.5 ms; 7 decodes
+    between them, 13.25 ms; 2 decodes, in the graph of 4, 4's line (1 is the graph before).
+    In a server that does not, or with a table that does not say which graph a row
+    replayed, interpolated between 4 and 6: 11 + 1/2 x 1.5 + 0.5 ms. A mixed pass runs
+    eagerly and interpolates. Above the largest graph a pass is itself."""
     five = StepShape(decode_seqs=5, decode_context=5000)
     padded = ProfileCost(graph_table(tmp_path), graphs=True)
     assert [padded.graph_batch(b) for b in (1, 2, 4, 5, 7, 8, 9)] == [1, 4, 4, 8, 8, 8, 9]
-    assert padded.step_time(five) == pytest.approx(0.0145)
-    assert padded.decode_line(5) == pytest.approx((0.014, 1e-7))
+    assert [list(padded.graph_rows(b)) for b in (1, 2, 5, 8, 9)] == [
+        [1],
+        [4],
+        [6, 8],
+        [6, 8],
+        [1, 4, 6, 8],
+    ]
+    assert padded.step_time(five) == pytest.approx(0.013)
+    assert padded.decode_line(5) == pytest.approx((0.0125, 1e-7))
+    assert padded.decode_line(7) == pytest.approx((0.01325, 1e-7))
+    assert padded.decode_line(2) == pytest.approx((0.011, 1e-7))
     eager = 0.01175 + 0.0005
     assert ProfileCost(graph_table(tmp_path)).step_time(five) == pytest.approx(eager)
     no_column = ProfileCost(graph_table(tmp_path, graphs=False), graphs=True)
@@ -439,8 +450,8 @@ def test_a_colocated_node_runs_its_decode_passes_after_a_chunk_pass_one_by_one(
 
 def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path: Path) -> None:
     """Graphs of 1, 4 and 8; graph_scales (3, 1.05), (5, 1.2), (7, 1.1). A decode-only pass of
-    6 sequences replays the graph of 8, whose points are 5 and 7: 1.15 x its line's device
-    time (14 ms + 0.1 us a cached token), its host time as it was; 5 and 8 take 1.2 and 1.1
+    6 sequences replays the graph of 8, whose points are 5 and 7: 1.15 x its row's device
+    time (12.5 ms + 0.1 us a cached token), its host time as it was; 5 and 8 take 1.2 and 1.1
     (held), 2 and 4 the graph of 4's 1.05, 1 (a graph without points) and 9 (beyond the
     graphs, eager) 1. A mixed pass, and a server without graphs, run as profiled. Both a
     colocated and a decode node's cost model have the experiment's scales. A factor of 0 is
@@ -452,9 +463,9 @@ def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path:
     scales = [c.graph_scale(b) for b in (1, 2, 4, 5, 6, 8, 9)]
     assert scales == pytest.approx([1.0, 1.05, 1.05, 1.2, 1.15, 1.1, 1.0])
     host = 0.001 + 6 * 0.0001
-    assert c.decode_line(6) == pytest.approx((1.15 * 0.014 + host, 1.15 * 1e-7))
+    assert c.decode_line(6) == pytest.approx((1.15 * 0.0125 + host, 1.15 * 1e-7))
     six = StepShape(decode_seqs=6, decode_context=6000.0)
-    assert c.step_time(six) == pytest.approx(1.15 * (0.014 + 6000e-7) + host)
+    assert c.step_time(six) == pytest.approx(1.15 * (0.0125 + 6000e-7) + host)
     assert c.decode_line(1) == plain.decode_line(1)
     mixed = StepShape(512, 512 * 513 / 2, 6, 6000.0)
     assert c.step_time(mixed) == plain.step_time(mixed)

@@ -286,11 +286,15 @@ class ProfileCost:
     sequences ran as the profile's rows, and those in the graph of 32 up to 8% longer, the
     more the emptier the graph (`disagg validate` measures them; docs/calibration.md).
     With `graphs` (a server that replays decode passes in CUDA graphs, as the hw runner
-    does on one GPU), a decode-only pass of b sequences costs the line of its graph's batch:
-    the smallest batch at or above b whose row filled its graph (the optional column
-    graph_batch, which `disagg hw profile` writes; none in a table without it): a pass of 25
-    sequences costs what 32's line says, not one between 16 and 32 (`benchmarks/decode_shape.py`,
-    docs/calibration.md). Mixed passes run eagerly and interpolate. With `pieces` (the
+    does on one GPU), a decode-only pass of b sequences costs the lines of the rows its graph
+    ran, interpolated at b (held below the first): its graph is the smallest batch at or above
+    b whose row filled it (the optional column graph_batch, which `disagg hw profile` writes;
+    none in a table without it), and its rows those of the batches above the graph before it.
+    A dense model's pass of 25 sequences costs about what 32's row says, not a point between
+    16 and 32 (`benchmarks/decode_shape.py`, docs/calibration.md); an MoE model's graph costs
+    more the more of its rows are real, whose experts they pick (Qwen3-30B-A3B on one H100:
+    5.0 ms at 11 sequences in the graph of 16, 5.6 at 16). Mixed passes run eagerly and
+    interpolate over every batch. With `pieces` (the
     experiment's hw.latency.prefill_graphs, which the profile ran with too), a pass with a prompt
     chunk whose tokens, decodes' included, fit a piece replays that piece's graphs, padded to its
     size (disagg.hw.pieces): its chunk costs what the piece holds besides the decodes
@@ -341,7 +345,8 @@ class ProfileCost:
         self.decode = df[df.kind == "decode"].groupby(["batch", "context"]).duration_s.median()
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
-        self._lines: dict[int, tuple[float, float]] = {}  # _device_line by batch size
+        self._batches = np.array(sorted({b for b, _ in self.decode.index}), float)
+        self._lines: dict[tuple[int, bool], tuple[float, float]] = {}  # _device_line's
         self.max_prefill_tokens = int(df[df.kind == "prefill"].tokens.max())
         self.max_prefill_context = float(self._contexts[-1])
         self.max_decode_batch = int(self.decode.index.get_level_values(0).max())
@@ -476,7 +481,7 @@ class ProfileCost:
         `since_chunk_s` after its node's last pass with a prompt chunk ended, costs a + b*K
         (its graph's scale and the lift after a chunk pass in both, its host time and
         `pass_overhead_s` in a)."""
-        a, b = self._device_line(self.graph_batch(seqs))
+        a, b = self._device_line(seqs, graph=True)
         k = self.decode_scale * (1.0 + self.after_chunk(since_chunk_s)) * self.graph_scale(seqs)
         return k * a + self.host_s(False, seqs), k * b
 
@@ -492,14 +497,27 @@ class ProfileCost:
             host = self.mixed_host_s if decodes else self.prefill_host_s
         return host + self.pass_overhead_s
 
-    def _device_line(self, seqs: int) -> tuple[float, float]:
-        line = self._lines.get(seqs)
+    def _device_line(self, seqs: int, graph: bool = False) -> tuple[float, float]:
+        """(a, b): a decode pass of `seqs` sequences and total context K runs a + b*K on the
+        device by the table: eagerly (`graph` False: a mixed pass), interpolated over every
+        profiled batch; else over the rows its CUDA graph ran (`graph_rows`)."""
+        line = self._lines.get((seqs, graph))
         if line is None:
-            line = self._lines[seqs] = self._decode_line(seqs)
+            batches = self.graph_rows(seqs) if graph else self._batches
+            line = self._lines[seqs, graph] = self._decode_line(seqs, batches)
         return line
 
-    def _decode_line(self, seqs: int) -> tuple[float, float]:
-        batches = np.array(sorted({b for b, _ in self.decode.index}), float)
+    def graph_rows(self, seqs: int) -> np.ndarray:
+        """The profiled batches whose rows ran in the CUDA graph a decode-only pass of `seqs`
+        sequences replays (`graph_batch`): those above the graph before it, up to it; every
+        batch where it runs eagerly."""
+        graph, graphs = self.graph_batch(seqs), self.graph_batches
+        if graph not in graphs:
+            return self._batches
+        low = graphs[graphs.index(graph) - 1] if graph != graphs[0] else 0
+        return self._batches[(self._batches > low) & (self._batches <= graph)]
+
+    def _decode_line(self, seqs: int, batches: np.ndarray) -> tuple[float, float]:
         lines = []
         for b in batches:
             row = self.decode.loc[int(b)]
@@ -513,10 +531,11 @@ class ProfileCost:
         per_token = _interp(seqs, batches, np.array([y for _, y in lines]))
         return a, max(per_token, 0.0)
 
-    def _decode_time(self, seqs: int, context_tokens: float) -> float:
+    def _decode_time(self, seqs: int, context_tokens: float, graph: bool = False) -> float:
         """A decode pass's device time by the table (`decode_scale` not applied): `seqs`
-        sequences, `context_tokens` cached tokens in all."""
-        a, b = self._device_line(seqs)
+        sequences, `context_tokens` cached tokens in all, in its CUDA graph or eagerly
+        (`_device_line`)."""
+        a, b = self._device_line(seqs, graph)
         return a + b * context_tokens
 
     def step_time(self, s: StepShape) -> float:
@@ -533,9 +552,8 @@ class ProfileCost:
         )
         if not (n or d):
             return 0.0  # no pass
-        line = d if n else self.graph_batch(d)  # a mixed pass runs eagerly
         k = self.decode_scale * (1.0 if n else self.graph_scale(d))
-        t = k * self._decode_time(line, s.decode_context) if d else 0.0
+        t = k * self._decode_time(d, s.decode_context, graph=not n) if d else 0.0  # mixed: eager
         if n:  # the chunk, its serving runs' offset, and beside decodes their shared costs
             offset = self.chunk_offset(n)
             if d:
@@ -584,8 +602,9 @@ CostModel = RooflineCost | ProfileCost
 
 def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> CostModel:
     """The experiment's cost model for one node group (roofline or a measured profile) of
-    `role` ("decode": a disaggregated decode node's, with `cost.profile_decode_scale`; any but
-    "prefill" on one GPU a rank: its decode passes in CUDA graphs, as a hw server's)."""
+    `role` ("decode": a disaggregated decode node's, with `cost.profile_decode_scale` and its
+    own graph scales where it has them, `cost.profile_decode_graph_scales`; any but "prefill"
+    on one GPU a rank: its decode passes in CUDA graphs, as a hw server's)."""
     qo = 1 + exp.spec.draft_tokens
     if exp.cost.source.startswith("profile:"):
         path = Path(exp.cost.source.removeprefix("profile:"))
@@ -597,6 +616,8 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             else (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
         )
         scale = c.profile_decode_scale if role == "decode" else 1.0
+        own = role == "decode" and c.profile_decode_graph_scales
+        graph_scales = c.profile_decode_graph_scales if own else c.profile_graph_scales
         graphs = role != "prefill" and group.tp == 1  # as a hw server replays decode passes
         return ProfileCost(
             path,
@@ -608,7 +629,7 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             graphs,
             exp.hw.latency.prefill_graphs,
             c.profile_after_chunk,
-            c.profile_graph_scales,
+            graph_scales,
         )
     return RooflineCost(
         exp.model.spec,
