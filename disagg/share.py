@@ -198,17 +198,18 @@ MIN_SHAPE_PASSES = 3  # passes with a chunk of one size, for the size to be a po
 
 
 def extra_shape(
-    runs: Sequence[tuple[pd.DataFrame, pd.Series]], pieces: Sequence[int] = ()
+    runs: Sequence[tuple[pd.DataFrame, pd.Series]], pieces: Sequence[int] = (), host_s: float = 0.0
 ) -> tuple[tuple[float, float], ...]:
     """The chunk extra's shape (the cluster's chunk_extra_shape) that runs show, each its steps
     and, per row, the profile's device time at its shape (alone on its node): their passes with
     a prompt chunk that met a decode pass of another node, pooled over the runs, by size (the
     piece of `pieces`, hw.latency.prefill_graphs, that replays the chunk; else its tokens
     rounded up to a power of two).
-    Each size with MIN_SHAPE_PASSES such passes or more is a point: their median time alone,
-    and their median extra (device time less that) over the extra of the size with the most
-    passes, at least 0. () with fewer than two sizes, or where that size's extra is not above
-    0."""
+    Each size with MIN_SHAPE_PASSES such passes or more is a point: their median time alone
+    plus `host_s` (a pass's host time: the simulator's weights rule reads the shape at a
+    pass's whole time alone, host and device), and their median extra (device time less its
+    time alone there) over the extra of the size with the most passes, at least 0. () with
+    fewer than two sizes, or where that size's extra is not above 0."""
     met = [_met_chunks(steps, shaped, pieces) for steps, shaped in runs]
     passes = pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
     if passes.empty:
@@ -221,7 +222,8 @@ def extra_shape(
     if len(kept) < 2 or not ref > 0:
         return ()
     factors = np.maximum(kept.extra.to_numpy(float) / ref, 0.0)
-    return tuple(zip(kept.alone.to_numpy(float).tolist(), factors.tolist(), strict=True))
+    seconds = kept.alone.to_numpy(float) + host_s
+    return tuple(zip(seconds.tolist(), factors.tolist(), strict=True))
 
 
 def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int]) -> pd.DataFrame:

@@ -80,9 +80,11 @@ from disagg.share import (
     shares,
     shares_at_full_pace,
 )
+from disagg.sim.costmodel import make_cost_model
 from disagg.validate_passes import (
     after_chunk,
     chunk_offsets,
+    decode_graph_scales,
     graph_scales,
     has_shapes,
     idle_hops,
@@ -719,7 +721,8 @@ def fit_extra(
     highest load first), their chunk passes at full pace beside the decodes (prefill share 1):
     the decode share the first run's passes show (`shares_at_full_pace`, against the passes of
     `alone` as in `fit_shares`), the extra's shape that all their passes show (`extra_shape`,
-    against the profile at their shape, by the prefill piece that replays them), and the
+    against the profile at their shape, by the prefill piece that replays them, at their time
+    alone with the prefill server's host time per pass, as the replay reads it), and the
     chunk extra whose replays of them on the profile (`on_profile`) are closest to them,
     searched over EXTRA_RANGE_S (`golden`); that error; and the extra the first run's passes
     themselves show. Their replays are left in `out`."""
@@ -730,8 +733,10 @@ def fit_extra(
     timed = [(load_experiment(d, [*on_profile]), run) for d, run in runs]
     timed = [(exp, run) for exp, run in timed if has_shapes(run) and "device_s" in run]
     if timed:
-        pieces = timed[0][0].hw.latency.prefill_graphs
-        weights[SHAPE] = extra_shape([(run, shape_device(run, exp)) for exp, run in timed], pieces)
+        exp = timed[0][0]
+        host_s = make_cost_model(exp, exp.cluster.prefill, "prefill").host_s(True, 0)
+        at_shape = [(run, shape_device(run, e)) for e, run in timed]
+        weights[SHAPE] = extra_shape(at_shape, exp.hw.latency.prefill_graphs, host_s)
 
     def error(extra_s: float) -> float:
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})
@@ -797,13 +802,16 @@ def by_repeat(alone: Sequence[Path]) -> list[list[Path]]:
 
 def calibration_decode_scale(
     cal: Path, on_profile: Sequence[str], say: Callable[[str], None] = print
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The calibration `cal`'s `cost.profile_decode_scale`, as a loop cost: its disaggregated
     run's (at the highest load) decode passes that met no prefill pass against the profile at
     their shape (`on_profile`: the overrides of the replays' profile and loop costs, the graph
     scales among them; `disagg.share.decode_scale_at_shape`), or, where its steps table
     predates the shapes, against its colocated runs' passes (`disagg.share.decode_scale`);
-    {} without those runs or their device times."""
+    then, on top of that scale, the decode server's own graph scales over the passes of all
+    its disaggregated runs (`cost.profile_decode_graph_scales`,
+    `disagg.validate_passes.decode_graph_scales`), where they have enough. {} without those
+    runs or their device times."""
     shared, alone = calibration_runs(cal)
     if not shared or not alone:
         return {}
@@ -818,7 +826,16 @@ def calibration_decode_scale(
     if scale is None:
         return {}
     say(f"decode server: its passes beside no prefill took {scale:.3f} of {of}")
-    return {"profile_decode_scale": scale}
+    fitted: dict[str, Any] = {"profile_decode_scale": scale}
+    scaled = [f"cost.profile_decode_scale={scale!r}", "cost.profile_graph_scales=[]"]
+    scaled.append("cost.profile_decode_graph_scales=[]")
+    runs = [pd.read_parquet(d / "steps.parquet") for d in shared]
+    points = decode_graph_scales(runs, load_experiment(run, [*on_profile, *scaled]))
+    if points:
+        said = ", ".join(f"{f:.3f} at {b:g}" for b, f in points)
+        say(f"decode server: its passes beside no prefill, over that, by their batch: {said}")
+        fitted["profile_decode_graph_scales"] = points
+    return fitted
 
 
 def read_shares(path: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from disagg.config import Experiment
+from disagg.share import free_decodes
 from disagg.sim.costmodel import (
     CostModel,
     ProfileCost,
@@ -313,12 +314,36 @@ def graph_scales(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[flo
     far = rows[rows.since >= AFTER_CHUNK_EDGES_S[-1]]
     if far.empty or not isinstance(cost, ProfileCost):
         return []
+    return by_graph_range(far, "batch_size", cost.graph_batches)
+
+
+def by_graph_range(rows: pd.DataFrame, batch: str, graphs: Sequence[int]) -> list[list[float]]:
+    """Per range of `graph_ranges(graphs)` with MIN_AFTER_PASSES `rows` or more (passes, by
+    their column `batch`): their median batch and median `ratio`."""
     out = []
-    for low, high in graph_ranges(cost.graph_batches):
-        pick = far[(far.batch_size > low) & (far.batch_size <= high)]
+    for low, high in graph_ranges(graphs):
+        pick = rows[(rows[batch] > low) & (rows[batch] <= high)]
         if len(pick) >= MIN_AFTER_PASSES:
-            out.append([float(pick.batch_size.median()), float(pick.ratio.median())])
+            out.append([float(pick[batch].median()), float(pick.ratio.median())])
     return out
+
+
+def decode_graph_scales(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:
+    """`[cost] profile_decode_graph_scales` from disaggregated runs' steps whose servers shared
+    one GPU: over their decode server's passes that met no prefill pass
+    (`disagg.share.free_decodes`), per range of batch sizes of a CUDA graph (`graph_ranges`),
+    the passes' median batch and the median of their device time over what `exp` gives a pass
+    of their shape (`shape_device`); a range with fewer than MIN_AFTER_PASSES passes is left
+    out, and [] without device times (the CPU) or graphs. `exp`: the profile with the decode
+    scale, without graph scales."""
+    cost = make_cost_model(exp, exp.cluster.decode, "decode")
+    if not isinstance(cost, ProfileCost) or not cost.graph_batches:
+        return []
+    timed = [free_decodes(steps) for steps in runs if "device_s" in steps and has_shapes(steps)]
+    if not timed:
+        return []
+    rows = pd.concat([t.assign(ratio=t.device_s / shape_device(t, exp)) for t in timed])
+    return by_graph_range(rows.dropna(subset=["ratio"]), "decode_seqs", cost.graph_batches)
 
 
 def after_chunk(runs: Sequence[pd.DataFrame], exp: Experiment) -> list[list[float]]:

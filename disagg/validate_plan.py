@@ -16,6 +16,7 @@ from disagg.config import Experiment, build_experiment
 from disagg.core.policies import DEFAULT_SCHEDULERS, SCHEDULERS, SchedulerPolicy, scheduler_for
 from disagg.core.workload import Arrival, generate
 from disagg.errors import ConfigError
+from disagg.settings import pieces_size
 
 DEFAULT_LOADS = (0.25, 0.5, 0.85)  # fractions of the colocated capacity the profile implies
 MOE_EVERY_BATCH = 32  # an MoE model's decode passes are profiled at every batch up to this
@@ -177,9 +178,13 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     time nor a line's between its ends. Mixed passes, which run eagerly, keep the `points`
     batches.
 
-    With hw.latency.prefill_graphs, each size up to the largest chunk is a chunk of the grid
-    too: a pass replays the piece of the next size up, padded to it, so the profile reads each
-    piece at its own size (disagg.sim.costmodel.padded_chunk)."""
+    A pass packs prompts up to the token budget, so where the longest prompt is shorter the
+    budget is a chunk of the grid too. With hw.latency.prefill_graphs, each piece up to the
+    one that holds the budget is a chunk of the grid too: a pass replays the piece of the next
+    size up, padded to it, so the profile reads each piece at its own size
+    (disagg.sim.costmodel.padded_chunk). Qwen3-30B-A3B's prefill server, prompts of up to
+    3,072 tokens in a budget of 4,096, ran a quarter of its passes at the top load in the
+    4,096 piece (2026-12-06e)."""
     prompts, mix, chunks, whole, batches, cached = [], [], [], [0], [], {0}
     pieces = {n for exp in exps for n in exp.hw.latency.prefill_graphs}
     for exp in exps:
@@ -199,7 +204,11 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
             cached.add(max(n * ((a.prompt_tokens - 1) // n) for a in arrivals))
     top = min(max(chunks, default=max(prompts)), max(prompts))
     prefill_tokens = log_grid(min(min(prompts), top), top, points)
-    sizes = sorted({*prefill_tokens, *(n for n in pieces if n <= top)})
+    # a pass packs prompts up to the token budget, past the longest prompt: the budget is a
+    # chunk too, and each piece up to the one that holds it
+    budget = max(chunks, default=top)
+    holds = pieces_size(sorted(pieces), budget) or budget
+    sizes = sorted({*prefill_tokens, budget, *(n for n in pieces if n <= holds)})
     decode_batch = log_grid(1, max(batches), points)
     powers = {2**k for k in range(max(batches).bit_length())}
     if exps[0].model.spec.is_moe:

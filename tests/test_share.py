@@ -166,6 +166,10 @@ def test_the_extra_s_shape_is_read_by_chunk_size_from_the_passes_that_met_a_deco
     # ms: median 30 ms; 20-40 ms more, median 20 ms), the size with the most passes
     pieced = extra_shape([(run, shaped), (other, alone)], pieces=(600, 4096))
     assert [x for p in pieced for x in p] == pytest.approx([0.010, 0.5, 0.030, 1.0])
+    # read at a pass's whole time alone, as the simulator's weights rule reads it: each
+    # point's seconds with the host time per pass, the extras as they were
+    hosted = extra_shape([(run, shaped), (other, alone)], pieces=(600, 4096), host_s=0.003)
+    assert [x for p in hosted for x in p] == pytest.approx([0.013, 0.5, 0.033, 1.0])
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

@@ -7,6 +7,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -289,14 +290,28 @@ def test_a_replay_fits_the_shares_again_on_the_calibrations_shared_run(tmp_path:
     assert calibration_shares(tmp_path / "none") == {}
 
 
+def simulated_calibration(cal: Path, data: dict[str, Any], runs: dict[str, list[str]]) -> None:
+    """Calibration runs under `cal`, each the experiment `data` with its settings simulated:
+    the steps, an empty summary and the experiment of each run NAME in `cal/NAME`."""
+    from disagg.config import build_experiment
+    from disagg.core.metrics import steps_table
+    from disagg.sim.cluster import Sim
+
+    for name, settings in runs.items():
+        exp = build_experiment(data, settings)
+        sim = Sim(exp)
+        sim.run()
+        (cal / name).mkdir(parents=True)
+        steps_table(sim.rec).to_parquet(cal / name / "steps.parquet")
+        (cal / name / "summary.json").write_text("{}")
+        (cal / name / "experiment.json").write_text(exp.model_dump_json())
+
+
 def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path: Path) -> None:
     """A calibration whose shared run's decode node ran at decode scale 0.8 (simulated on a
     profile: 10 ms + 0.1 us per cached token a decode pass) gives 0.8 back, as the replays'
     loop cost: against the profile at each pass's shape, and, for a steps table without the
     shapes, within 1% against its colocated run's decode passes; without a shared run, none."""
-    from disagg.config import build_experiment
-    from disagg.core.metrics import steps_table
-    from disagg.sim.cluster import Sim
     from disagg.validate import calibration_decode_scale
 
     profile = tmp_path / "profile.csv"
@@ -318,17 +333,8 @@ def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path:
     cal = tmp_path / "calibration"
     on_profile = [f"cost.source=profile:{profile}"]
     assert calibration_decode_scale(cal, on_profile) == {}
-    for name, settings in (
-        ("4rps", []),
-        ("disagg-4rps", ["cluster.shared_gpu=true", "cost.profile_decode_scale=0.8"]),
-    ):
-        exp = build_experiment(data, settings)
-        sim = Sim(exp)
-        sim.run()
-        (cal / name).mkdir(parents=True)
-        steps_table(sim.rec).to_parquet(cal / name / "steps.parquet")
-        (cal / name / "summary.json").write_text("{}")
-        (cal / name / "experiment.json").write_text(exp.model_dump_json())
+    shared = ["cluster.shared_gpu=true", "cost.profile_decode_scale=0.8"]
+    simulated_calibration(cal, data, {"4rps": [], "disagg-4rps": shared})
     said: list[str] = []
     fitted = calibration_decode_scale(cal, on_profile, said.append)
     assert fitted == {"profile_decode_scale": pytest.approx(0.8, rel=1e-9)}
@@ -345,6 +351,47 @@ def test_a_replay_fits_the_decode_scale_on_the_calibrations_shared_run(tmp_path:
     ]
     (cal / "disagg-4rps" / "summary.json").unlink()  # a shared run cut short: none
     assert calibration_decode_scale(cal, on_profile) == {}
+
+
+def test_a_replay_fits_the_decode_servers_own_graph_scales(tmp_path: Path) -> None:
+    """A shared run whose decode node replays graphs of 1-16 (the profile's graph_batch) and
+    ran at decode scale 0.9 and graph scales of its own, 0.8 at batch 1 and 1.1 at 8 (held in
+    their graphs, 1 in the others): the fit gives the scale back (the median pass's, 0.9),
+    and over it each graph range's factor at its passes' median batch (the graph of 4's at
+    3, the graph of 8's at 5: its passes of 5-7 sequences)."""
+    from disagg.validate import calibration_decode_scale
+
+    profile = tmp_path / "profile.csv"
+    rows = [f"prefill,{n},1,0,{n * 2e-6},0,0" for n in (256, 1024)]
+    rows += [
+        f"decode,{b},{b},{c},{0.01 + b * c * 1e-7},0,{b}"
+        for b in (1, 2, 4, 8, 16)
+        for c in (256, 1024)
+    ]
+    columns = "kind,tokens,batch,context,duration_s,host_s,graph_batch"
+    profile.write_text(columns + "\n" + "\n".join(rows) + "\n")
+    one_gpu = {"nodes": 1, "tp": 1}
+    lengths = {"prompt_tokens": {"dist": "uniform", "low": 64, "high": 1024}}
+    lengths["output_tokens"] = {"dist": "uniform", "low": 16, "high": 64}
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "disagg", "prefill": one_gpu, "decode": one_gpu},
+        "cost": {"source": f"profile:{profile}"},
+        "workload": {"rate_per_s": 8, "num_requests": 60, **lengths},
+    }
+    own = ["cost.profile_decode_scale=0.9", "cost.profile_decode_graph_scales=[[1, 0.8], [8, 1.1]]"]
+    cal = tmp_path / "calibration"
+    simulated_calibration(cal, data, {"8rps": [], "disagg-8rps": ["cluster.shared_gpu=true", *own]})
+    said: list[str] = []
+    fitted = calibration_decode_scale(cal, [f"cost.source=profile:{profile}"], said.append)
+    assert fitted["profile_decode_scale"] == pytest.approx(0.9, rel=1e-9)
+    points = fitted["profile_decode_graph_scales"]
+    assert [x for p in points for x in p] == pytest.approx([1, 0.8, 2, 1, 3, 1, 5, 1.1], rel=1e-9)
+    by_batch = "0.800 at 1, 1.000 at 2, 1.000 at 3, 1.100 at 5"
+    assert (
+        said[1]
+        == f"decode server: its passes beside no prefill, over that, by their batch: {by_batch}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -1203,6 +1250,14 @@ def test_each_piece_up_to_the_largest_chunk_is_a_chunk_of_the_grid() -> None:
     grid, log = profile_grid([pieces], 3), profile_grid([plain], 3)
     assert grid.prefill_tokens == tuple(sorted({8, 16, *log.prefill_tokens}))
     assert grid.mixed == log.mixed
+    # prompts of 16-40 tokens in a budget of 64: a pass packs them up to 64, so the budget
+    # is a chunk, and each piece up to the one that holds it (48 and 80, not 160)
+    short = plain.updated('workload.prompt_tokens={"dist": "uniform", "low": 16, "high": 40}')
+    assert max(profile_grid([short], 3).prefill_tokens) == 64
+    assert max(log_grid(16, 40, 3)) == 40
+    pieced = short.updated("hw.latency.prefill_graphs=[8, 48, 80, 160]")
+    assert {8, 48, 64, 80} <= set(profile_grid([pieced], 3).prefill_tokens)
+    assert 160 not in profile_grid([pieced], 3).prefill_tokens
 
 
 def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
