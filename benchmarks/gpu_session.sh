@@ -2,6 +2,9 @@
 # One device call on a lent H200 machine: install the carried wheels, build FlashInfer's kernels
 # once, run the kernel/wire benchmark, the TTFT benchmark, then the GPU tests.
 #   bash benchmarks/gpu_session.sh [PREFILL_GPU] [DECODE_GPU]      (results under $OUT)
+# The working tree with .whl is past the device tool's 64 MiB: `bash benchmarks/device_tree.sh
+# slim` before a session's calls leaves the records' tarballs and figures out of it, and
+# `bash benchmarks/device_tree.sh full` after them puts them back.
 # BENCH_ARGS='--only copy transfer' passes arguments to gpu_bench.py;
 # SKIP_BENCH=1, SKIP_TTFT=1, SKIP_TESTS=1 leave a part out; TPOT=1 adds gpu_tpot.py (two GPUs:
 # decode TPOT under a prefill stream, about 5 min); HOP=1 adds control_hop.py (one control hop,

@@ -397,3 +397,44 @@ def test_shared_gpu_runs_each_variant_on_one_workload_and_reads_its_passes(
     by = pd.DataFrame({"start_s": [0.0, 0.008], "end": [0.004, 0.020]})
     covered = _module("shared_gpu").covered(np.array([0.0]), np.array([0.010]), by)
     assert covered.tolist() == pytest.approx([0.6])
+
+
+def test_device_tree_leaves_the_records_tarballs_and_figures_out_and_puts_them_back(
+    tmp_path: Path,
+) -> None:
+    """In a clone of this repository (the script run from this checkout): `slim` takes every
+    record's tarball and figure out of the working tree (still tracked, the tree clean) and
+    says less would travel; `full` puts each back as committed."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+
+    def tree(mode: str) -> float:
+        out = subprocess.run(
+            ["bash", str(root / "benchmarks" / "device_tree.sh"), mode],
+            cwd=clone,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return float(out.split(" MiB")[0])
+
+    def records(pattern: str) -> list[Path]:
+        listed = subprocess.run(
+            ["git", "ls-files", pattern], cwd=clone, capture_output=True, text=True, check=True
+        )
+        return [clone / f for f in listed.stdout.split()]
+
+    tarballs, figures = records("benchmarks/results/*.xz"), records("benchmarks/results/*.png")
+    assert tarballs and figures and all(f.exists() for f in [*tarballs, *figures])
+    whole, gone = tree("size"), sum(f.stat().st_size for f in [*tarballs, *figures]) / 2**20
+    slim = tree("slim")
+    assert not any(f.exists() for f in [*tarballs, *figures])
+    assert (clone / "disagg" / "cli.py").exists() and (clone / "benchmarks/gpu_session.sh").exists()
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True)
+    assert status.stdout == b""
+    assert slim == pytest.approx(whole - gone, abs=0.1)
+    assert tree("full") == whole
+    assert all(f.exists() for f in [*tarballs, *figures])
