@@ -972,6 +972,7 @@ def test_pass_offsets_set_each_pass_against_the_profile_at_its_own_shape(tmp_pat
     csv.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
     host = ["cost.profile_host_s=0.001", "cost.profile_host_chunk_s=0.002"]
     host += ["cost.profile_host_per_seq_s=0.0001"]
+    host += ["hw.latency.prefill_graphs=[]"]  # each chunk at its own tokens, not its piece's
     exp = load_experiment(EXPERIMENTS / "llama8b-h200.toml", [f"cost.source=profile:{csv}", *host])
     cost = make_cost_model(exp, exp.cluster.colocated, "colocated")
     tokens = [100, 200, 300, 400, 500, 600, 700, 800]
@@ -1651,6 +1652,7 @@ def test_chunk_offsets_are_fitted_on_the_runs_without_stale_ones(tmp_path: Path)
         [
             "cluster.colocated.tp=1",
             f"cost.source=profile:{slow}",
+            "hw.latency.prefill_graphs=[]",  # each chunk at its own tokens, not its piece's
             "workload.rate_per_s=0.5",
             "workload.num_requests=3",
             'workload.prompt_tokens={"dist": "fixed", "value": 600}',
