@@ -730,8 +730,11 @@ def fit_extra(
     runs = [(d, pd.read_parquet(d / "steps.parquet")) for d in shared]
     a, passes_s = shares_at_full_pace(runs[0][1], decode_alone(steps), chunk_line(steps))
     weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
-    timed = [(load_experiment(d, [*on_profile]), run) for d, run in runs]
-    timed = [(exp, run) for exp, run in timed if has_shapes(run) and "device_s" in run]
+    timed = [
+        (load_experiment(d, [*on_profile]), run)
+        for d, run in runs
+        if has_shapes(run) and "device_s" in run
+    ]
     if timed:
         exp = timed[0][0]
         host_s = make_cost_model(exp, exp.cluster.prefill, "prefill").host_s(True, 0)
@@ -815,7 +818,8 @@ def calibration_decode_scale(
     shared, alone = calibration_runs(cal)
     if not shared or not alone:
         return {}
-    run, steps = shared[0], pd.read_parquet(shared[0] / "steps.parquet")
+    runs = [pd.read_parquet(d / "steps.parquet") for d in shared]
+    run, steps = shared[0], runs[0]
     if "device_s" in steps and has_shapes(steps):
         unscaled = load_experiment(run, [*on_profile, "cost.profile_decode_scale=1.0"])
         shaped = shape_device(steps, unscaled)
@@ -829,7 +833,6 @@ def calibration_decode_scale(
     fitted: dict[str, Any] = {"profile_decode_scale": scale}
     scaled = [f"cost.profile_decode_scale={scale!r}", "cost.profile_graph_scales=[]"]
     scaled.append("cost.profile_decode_graph_scales=[]")
-    runs = [pd.read_parquet(d / "steps.parquet") for d in shared]
     points = decode_graph_scales(runs, load_experiment(run, [*on_profile, *scaled]))
     if points:
         said = ", ".join(f"{f:.3f} at {b:g}" for b, f in points)

@@ -36,6 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from disagg.errors import ConfigError
 from disagg.hardware import GPU
 from disagg.models import ModelSpec, dtype_bytes
 from disagg.settings import pieces_size
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 QUERY_TILE = 128  # query rows per attention tile (keys are re-read once per tile)
 ACT = 2  # bytes per activation element (bf16)
@@ -346,6 +350,10 @@ class ProfileCost:
         if self.prefill.empty or self.decode.empty:
             raise ConfigError(f"cost profile {path}: needs both prefill and decode rows")
         self._batches = np.array(sorted({b for b, _ in self.decode.index}), float)
+        # per profiled batch, its line over the batch's cached tokens: intercept, and slope
+        self._icepts, self._per_token = np.array(
+            [_batch_line(self.decode.loc[int(b)], b) for b in self._batches]
+        ).T
         self._lines: dict[tuple[int, bool], tuple[float, float]] = {}  # _device_line's
         self.max_prefill_tokens = int(df[df.kind == "prefill"].tokens.max())
         self.max_prefill_context = float(self._contexts[-1])
@@ -503,33 +511,26 @@ class ProfileCost:
         profiled batch; else over the rows its CUDA graph ran (`graph_rows`)."""
         line = self._lines.get((seqs, graph))
         if line is None:
-            batches = self.graph_rows(seqs) if graph else self._batches
-            line = self._lines[seqs, graph] = self._decode_line(seqs, batches)
+            rows = self._in_graph(seqs) if graph else np.ones(len(self._batches), bool)
+            batches = self._batches[rows]
+            a = _interp(seqs, batches, np.maximum.accumulate(self._icepts[rows]))
+            per_token = _interp(seqs, batches, self._per_token[rows])
+            line = self._lines[seqs, graph] = (a, max(per_token, 0.0))
         return line
 
     def graph_rows(self, seqs: int) -> np.ndarray:
         """The profiled batches whose rows ran in the CUDA graph a decode-only pass of `seqs`
         sequences replays (`graph_batch`): those above the graph before it, up to it; every
         batch where it runs eagerly."""
+        return self._batches[self._in_graph(seqs)]
+
+    def _in_graph(self, seqs: int) -> np.ndarray:
+        """`graph_rows` as a mask over the profiled batches."""
         graph, graphs = self.graph_batch(seqs), self.graph_batches
         if graph not in graphs:
-            return self._batches
+            return np.ones(len(self._batches), bool)
         low = graphs[graphs.index(graph) - 1] if graph != graphs[0] else 0
-        return self._batches[(self._batches > low) & (self._batches <= graph)]
-
-    def _decode_line(self, seqs: int, batches: np.ndarray) -> tuple[float, float]:
-        lines = []
-        for b in batches:
-            row = self.decode.loc[int(b)]
-            slope, icept = (
-                np.polyfit(row.index.to_numpy(float), row.to_numpy(float), 1)
-                if len(row) > 1
-                else (0.0, float(row.iloc[0]))
-            )
-            lines.append((icept, slope / b))
-        a = _interp(seqs, batches, np.maximum.accumulate([x for x, _ in lines]))
-        per_token = _interp(seqs, batches, np.array([y for _, y in lines]))
-        return a, max(per_token, 0.0)
+        return (self._batches > low) & (self._batches <= graph)
 
     def _decode_time(self, seqs: int, context_tokens: float, graph: bool = False) -> float:
         """A decode pass's device time by the table (`decode_scale` not applied): `seqs`
@@ -560,6 +561,15 @@ class ProfileCost:
                 offset += self.mixed_offset(d, n) + self.mixed_context_s * s.decode_context
             t = max(self._prefill_time(n, context) + t + offset, 0.0)
         return t + self.host_s(n > 0, d)
+
+
+def _batch_line(row: pd.Series, batch: float) -> tuple[float, float]:
+    """A profiled decode batch's line over its cached tokens in all, from its rows' times by
+    context (`row`): the intercept, and the slope per token (0 with one context)."""
+    if len(row) == 1:
+        return float(row.iloc[0]), 0.0
+    slope, icept = np.polyfit(row.index.to_numpy(float), row.to_numpy(float), 1)
+    return float(icept), float(slope) / batch
 
 
 def _points(

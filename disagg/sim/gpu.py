@@ -101,9 +101,9 @@ class SharedGPU(_OneGPU):
         self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
-        # the shape's seconds and factors (one point of factor 1 without a shape)
-        self.shape_s = np.array([s for s, _ in chunk_extra_shape] or [0.0])
-        self.shape_f = np.array([f for _, f in chunk_extra_shape] or [1.0])
+        # the shape's seconds and factors (none: every pass adds chunk_extra_s)
+        self.shape_s = np.array([s for s, _ in chunk_extra_shape], float)
+        self.shape_f = np.array([f for _, f in chunk_extra_shape], float)
         self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
         # passes with a chunk that have met no other pass yet -> the extra they would add
         self.alone: dict[Signal, float] = {}
@@ -124,6 +124,8 @@ class SharedGPU(_OneGPU):
     def extra_s(self, seconds: float) -> float:
         """The work a pass with a chunk of `seconds` alone adds once it meets another pass:
         `chunk_extra_s`, times the shape's factor at `seconds`."""
+        if not (self.chunk_extra_s and len(self.shape_s)):
+            return self.chunk_extra_s
         return self.chunk_extra_s * float(np.interp(seconds, self.shape_s, self.shape_f))
 
     def work_s(self, seconds: float, decode_only: bool) -> float:
