@@ -157,7 +157,7 @@ if [ -n "${VALIDATE:-}" ]; then
   VALIDATE_OUT=${VALIDATE_OUT:-$RUNS/validate}
   echo "validate: ${VT} s of the call left" | tee -a "$LOG"
   timeout "$(( VT > 1 ? VT : 1 ))" python3 -m disagg.cli validate "${VALIDATE_EXP:-experiments/llama8b-h200.toml}" \
-    --device "cuda:$D" --out "$VALIDATE_OUT" "${VALIDATE_FLAGS[@]}" 2>&1 | tail -40 | tee -a "$LOG"
+    --device "cuda:$D" --out "$VALIDATE_OUT" "${VALIDATE_FLAGS[@]}" 2>&1 | grep -v CudaIPCTypes | tee -a "$LOG"
   tar -cJf "$OUT/validate.tar.xz" --exclude='*.parquet.tmp' --exclude=trace.json -C "$(dirname "$VALIDATE_OUT")" "$(basename "$VALIDATE_OUT")"
 fi
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -x -p no:cacheprovider \

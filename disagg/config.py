@@ -172,6 +172,12 @@ class ClusterConfig(_Frozen):
     # chunk_extra_s times the factor interpolated at its time alone, held at the ends (disagg
     # validate measures it from the passes); (): every pass adds chunk_extra_s
     chunk_extra_shape: tuple[tuple[float, float], ...] = ()
+    # (seconds, factor) points like chunk_extra_shape: a decode-only pass beside a pass with a
+    # prompt chunk whose work takes `seconds` alone weighs decode_share times the factor there
+    # (disagg validate measures it: on one H100 a Llama-3.1-8B decode pass ran at 0.62 of its
+    # pace alone beside a chunk pass of 13 ms alone, 0.53 beside 26 ms, 0.40 beside 45 ms);
+    # (): decode_share beside any
+    decode_share_shape: tuple[tuple[float, float], ...] = ()
     # set: the passes there take turns kernel by kernel instead, each advancing at its time
     # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and
     # the shares are unused; disagg validate measures it
@@ -181,7 +187,7 @@ class ClusterConfig(_Frozen):
     # turn's yield before and after its device time, switch_s (or nothing) between turns
     turn_slice_s: float | None = Field(default=None, gt=0.0)
 
-    @field_validator("chunk_extra_shape")
+    @field_validator("chunk_extra_shape", "decode_share_shape")
     @classmethod
     def _shape_points(cls, v: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
         """Seconds from 0 up, each above the one before; factors finite and not below 0."""

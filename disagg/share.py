@@ -16,7 +16,9 @@ so bisection finds it, the other share held. `shares` fits both, in turns. With 
 (`cluster.chunk_extra_s`: a chunk pass beside decodes has that much more work, whatever its
 chunk), the prefill share is 1 and `shares_at_full_pace` gives the decode share and the
 extra the passes show (disagg.validate.fit_extra fits the extra by replays); `extra_shape`
-gives how the passes' extra follows their time alone (`cluster.chunk_extra_shape`).
+gives how the passes' extra follows their time alone (`cluster.chunk_extra_shape`), and
+`decode_share_shape` how the decode share follows the time alone of the chunk beside
+(`cluster.decode_share_shape`).
 
 The same run also says how fast its decode server runs the passes that met no chunk pass,
 against a colocated server's passes alone (`decode_scale`): the simulator's
@@ -74,11 +76,14 @@ def chunk_line(steps: pd.DataFrame) -> Line:
     return _line(chunks.prefill_tokens.to_numpy(float), per_pass)
 
 
-def overlap_segments(steps: pd.DataFrame, decode: bool = True) -> dict[int, tuple[np.ndarray, ...]]:
+def overlap_segments(
+    steps: pd.DataFrame, decode: bool = True, label: np.ndarray | None = None
+) -> dict[int, tuple[np.ndarray, ...]]:
     """The passes of `steps` (one pass a row) of one kind, decode-only (`decode`) or with a
     prompt chunk, that overlap a pass of the other kind of another node, by position: each
     one's time cut where passes begin and end, as (seconds, decodes running, others running)
-    per piece."""
+    per piece. With `label` (a number per row), a fourth: per piece, the label of the passes
+    of the other kind of other nodes running (the largest; 0 where none runs)."""
     start = steps.start_s.to_numpy(float)
     end = start + steps.duration_s.to_numpy(float)
     is_decode = (steps.prefill_tokens == 0).to_numpy()
@@ -93,7 +98,12 @@ def overlap_segments(steps: pd.DataFrame, decode: bool = True) -> dict[int, tupl
         mid = (cuts[:-1] + cuts[1:]) / 2
         on = (start[near][None, :] <= mid[:, None]) & (end[near][None, :] > mid[:, None])
         dec = is_decode[near]
-        out[int(i)] = (np.diff(cuts), on[:, dec].sum(1), on[:, ~dec].sum(1))
+        pieces: tuple[np.ndarray, ...] = (np.diff(cuts), on[:, dec].sum(1), on[:, ~dec].sum(1))
+        if label is not None:
+            other = (dec != decode) & (node[near] != node[i])
+            marks = np.where(on[:, other], label[near][other][None, :], 0.0)
+            pieces += (marks.max(1, initial=0.0),)
+        out[int(i)] = pieces
     return out
 
 
@@ -111,14 +121,17 @@ def _bisect(work: Callable[[float], float], want: float, bounds: tuple[float, fl
 
 
 def _overlaps(
-    steps: pd.DataFrame, alone: Line, decode: bool
+    steps: pd.DataFrame, alone: Line, decode: bool, only: Sequence[int] | None = None
 ) -> tuple[float, int, Callable[[float, float], float]]:
     """The passes of one kind of `steps`, decode-only (`decode`) or with a chunk, that met a
-    pass of the other kind of another node: their time alone in all, how many they are, and
-    the work they did at decode share a and prefill share b (`work(a, b)`)."""
+    pass of the other kind of another node (with `only`, those of them at these positions):
+    their time alone in all, how many they are, and the work they did at decode share a and
+    prefill share b (`work(a, b)`)."""
     if (steps.steps > 1).any():
         raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
     segments = overlap_segments(steps, decode)
+    if only is not None:
+        segments = {i: segments[i] for i in only}
     if not segments:
         raise ConfigError("no decode pass met a prompt pass of another node: no share to fit")
     size = steps.decode_seqs if decode else steps.prefill_tokens
@@ -227,19 +240,89 @@ def extra_shape(
 
 
 def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int]) -> pd.DataFrame:
-    """`extra_shape`'s passes of one run: size, time alone and extra of each chunk pass that
-    met a decode pass of another node."""
+    """`extra_shape`'s passes of one run: position, size, time alone and extra of each chunk
+    pass that met a decode pass of another node."""
     met = list(overlap_segments(steps, decode=False))
     rows = steps.iloc[met]
     alone = shaped.to_numpy(float)[met]
     tokens = rows.prefill_tokens.to_numpy(int) + rows.decode_seqs.to_numpy(int)
     return pd.DataFrame(
         {
+            "row": met,
             "size": [pieces_size(pieces, n) or 2 ** math.ceil(math.log2(n)) for n in tokens],
             "alone": alone,
             "extra": rows.device_s.to_numpy(float) - alone,
         }
     )
+
+
+MIN_BESIDE_PASSES = 20  # decode passes beside chunk passes of one size, for a point of the shape
+
+
+def decode_share_shape(
+    runs: Sequence[tuple[pd.DataFrame, pd.Series]],
+    alone: Line,
+    decode_share: float,
+    pieces: Sequence[int] = (),
+    host_s: float = 0.0,
+    turns: int = 20,
+) -> tuple[tuple[float, float], ...]:
+    """The decode share's shape (the cluster's decode_share_shape) that runs show, each its
+    steps and, per row, the profile's device time at its shape: their decode passes that met a
+    pass with a prompt chunk of another node, by the size of the chunk pass beside them for
+    longest (as `extra_shape` sizes them), pooled over the runs. Each size with
+    MIN_BESIDE_PASSES such passes or more is a point: the median time alone of its chunk
+    passes, plus `host_s` (the weights rule reads the shape at a pass's whole time alone), and
+    its share over `decode_share`. The shares are the ones at which each size's decode passes
+    did their work alone (`alone`: seconds per pass by batch size) beside chunks at full pace
+    (prefill share 1), each piece of a pass at the share of the chunk beside it then: a size
+    without a point at the shape's share there, a piece beside no chunk at `decode_share`.
+    Fitted in turns, each size's with the others held, until none moves by 1e-9 or after
+    `turns` turns. () with fewer than two points."""
+    beside: dict[float, list[tuple[np.ndarray, ...]]] = {}  # size -> its passes' pieces
+    want: dict[float, float] = {}
+    times: dict[float, list[float]] = {}
+    for steps, shaped in runs:
+        chunks = _met_chunks(steps, shaped, pieces)
+        label = np.zeros(len(steps))
+        label[chunks.row.to_numpy(int)] = chunks["size"].to_numpy(float)
+        own = alone(steps.decode_seqs.to_numpy(float))
+        for i, cut in overlap_segments(steps, True, label).items():
+            held = pd.Series(cut[0]).groupby(cut[3]).sum().drop(0.0, errors="ignore")
+            size = float(held.index.to_numpy(float)[held.to_numpy().argmax()])
+            beside.setdefault(size, []).append(cut)
+            want[size] = want.get(size, 0.0) + float(own[i])
+        for of in chunks["size"].unique():
+            times.setdefault(float(of), []).extend(chunks.alone[chunks["size"] == of].dropna())
+    at = {size: float(np.median(times[size])) for size in times}
+    kept = sorted((s for s in beside if len(beside[s]) >= MIN_BESIDE_PASSES), key=at.__getitem__)
+    if len(kept) < 2:
+        return ()
+    share = dict.fromkeys([0.0, *at], decode_share)
+    joined = {size: [np.concatenate(c) for c in zip(*beside[size], strict=True)] for size in kept}
+
+    def work(size: float) -> Callable[[float], float]:
+        seconds, ndec, nother, marks = joined[size]
+
+        def at_share(a: float) -> float:
+            shares = np.array([a if m == size else share[m] for m in marks])
+            pace = np.minimum(1.0, (shares + 1) * shares / (shares * ndec + nother))
+            pace[ndec + nother == 1] = 1.0
+            return float((seconds * pace).sum())
+
+        return at_share
+
+    for _ in range(turns):
+        moved = 0.0
+        for size in kept:
+            fitted = _bisect(work(size), want[size], SHARE_BOUNDS)
+            moved, share[size] = max(moved, abs(fitted - share[size])), fitted
+        xs, ys = [at[s] for s in kept], [share[s] for s in kept]
+        for size in at.keys() - set(kept):
+            share[size] = float(np.interp(at[size], xs, ys))
+        if moved < 1e-9:
+            break
+    return tuple((at[s] + host_s, share[s] / decode_share) for s in kept)
 
 
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak

@@ -11,7 +11,8 @@ Stages, each announced through `say`:
    servers share one GPU, runs of their own at the lowest and the highest load that show
    how they share it (`measure_share`): every replay fits the rules of the simulator's
    shared GPU on them (the decode and prefill shares; those with a chunk extra, shaped by
-   the passes' time alone; the round robin's switch cost; the turns' switch) and gets the
+   the passes' time alone, and the decode share by the chunk beside; the round robin's
+   switch cost; the turns' switch) and gets the
    one whose replays of those runs come closest to them (`calibration_shares`), and the
    speed of the decode server's passes that met no prefill pass
    (`calibration_decode_scale`); and every replay takes the control plane's hop measured on
@@ -75,6 +76,7 @@ from disagg.share import (
     decode_alone,
     decode_scale,
     decode_scale_at_shape,
+    decode_share_shape,
     extra_shape,
     overlap_segments,
     shares,
@@ -566,6 +568,7 @@ WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the 
 # the turns rule's slice with it
 SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s", "turn_slice_s")
 SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) points
+SHARE_SHAPE = "decode_share_shape"  # and the decode share's
 # the turns rule's slice as kernel timelines of both servers on one H200 and one H100 showed
 # it: from one prefill turn to the next that preempts the decoder, 2.416 ms, two switches of
 # 0.13 ms and 2.15 of the decoder's device time (benchmarks/results/2026-12-06-gpu); its
@@ -626,7 +629,7 @@ def share_overrides(fitted: Mapping[str, Any]) -> list[str]:
     if "switch_s" in fitted:
         rule = {"turn_slice_s": None} | dict(fitted)
     else:
-        rule = {"chunk_extra_s": 0.0, SHAPE: ()} | dict(fitted)
+        rule = {"chunk_extra_s": 0.0, SHAPE: (), SHARE_SHAPE: ()} | dict(fitted)
         rule |= {"switch_s": None, "turn_slice_s": None}
     return [f"cluster.{k}={json.dumps(v)}" for k, v in rule.items()]
 
@@ -720,9 +723,10 @@ def fit_extra(
     """The weights with a chunk extra (cluster.chunk_extra_s) of the runs `shared` (the
     highest load first), their chunk passes at full pace beside the decodes (prefill share 1):
     the decode share the first run's passes show (`shares_at_full_pace`, against the passes of
-    `alone` as in `fit_shares`), the extra's shape that all their passes show (`extra_shape`,
-    against the profile at their shape, by the prefill piece that replays them, at their time
-    alone with the prefill server's host time per pass, as the replay reads it), and the
+    `alone` as in `fit_shares`), the extra's shape and the decode share's that all their
+    passes show (`extra_shape`, `decode_share_shape`: against the profile at their shape, by
+    the prefill piece that replays them, at their time alone with the prefill server's host
+    time per pass, as the replay reads it), and the
     chunk extra whose replays of them on the profile (`on_profile`) are closest to them,
     searched over EXTRA_RANGE_S (`golden`); that error; and the extra the first run's passes
     themselves show. Their replays are left in `out`."""
@@ -739,7 +743,9 @@ def fit_extra(
         exp = timed[0][0]
         host_s = make_cost_model(exp, exp.cluster.prefill, "prefill").host_s(True, 0)
         at_shape = [(run, shape_device(run, e)) for e, run in timed]
-        weights[SHAPE] = extra_shape(at_shape, exp.hw.latency.prefill_graphs, host_s)
+        pieces = exp.hw.latency.prefill_graphs
+        weights[SHAPE] = extra_shape(at_shape, pieces, host_s)
+        weights[SHARE_SHAPE] = decode_share_shape(at_shape, decode_alone(steps), a, pieces, host_s)
 
     def error(extra_s: float) -> float:
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})
@@ -842,12 +848,13 @@ def calibration_decode_scale(
 
 
 def read_shares(path: Path) -> dict[str, Any]:
-    """share.json's shares (`SHARES`, and `SHAPE`; a file of an earlier validate may hold only
-    the first)."""
+    """share.json's shares (`SHARES`, and the shapes `SHAPE` and `SHARE_SHAPE`; a file of an
+    earlier validate may hold only the first)."""
     fitted = json.loads(path.read_text())
     out: dict[str, Any] = {k: float(fitted[k]) for k in SHARES if k in fitted}
-    if SHAPE in fitted:
-        out[SHAPE] = tuple((float(x), float(y)) for x, y in fitted[SHAPE])
+    for shape in (SHAPE, SHARE_SHAPE):
+        if shape in fitted:
+            out[shape] = tuple((float(x), float(y)) for x, y in fitted[shape])
     return out
 
 
@@ -865,6 +872,9 @@ def said_shares(fitted: Mapping[str, Any]) -> str:
     if extra and fitted.get(SHAPE):
         points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHAPE])
         beside += f" times by its time alone {points}"
+    if fitted.get(SHARE_SHAPE):
+        points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHARE_SHAPE])
+        beside += f"; the decode share times by the chunk's time alone {points}"
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f}){beside}"
 
 

@@ -9,13 +9,16 @@ import pytest
 from disagg.config import Experiment, load_experiment
 from disagg.core.metrics import STEP_COLUMNS, steps_table
 from disagg.errors import ConfigError
+from disagg.settings import pieces_size
 from disagg.share import (
     MIN_ALONE_PASSES,
+    MIN_BESIDE_PASSES,
     MIN_CHUNK_PASSES,
     chunk_line,
     decode_alone,
     decode_scale,
     decode_share,
+    decode_share_shape,
     extra_shape,
     overlap_segments,
     prefill_share,
@@ -170,6 +173,78 @@ def test_the_extra_s_shape_is_read_by_chunk_size_from_the_passes_that_met_a_deco
     # point's seconds with the host time per pass, the extras as they were
     hosted = extra_shape([(run, shaped), (other, alone)], pieces=(600, 4096), host_s=0.003)
     assert [x for p in hosted for x in p] == pytest.approx([0.013, 0.5, 0.033, 1.0])
+
+
+def _beside_chunks(sizes: list[tuple[int, float, float]]) -> tuple[pd.DataFrame, pd.Series]:
+    """Steps of chunk passes of (tokens, seconds alone, seconds a decode pass of 6 ms alone
+    took inside it), each with one such decode pass of another node wholly inside it and the
+    decode server alone between them, and the profile's time alone per row (the chunks')."""
+    passes, alone = [], []
+    for i, (tokens, chunk_s, decode_s) in enumerate(sizes):
+        t = 0.1 * i
+        passes += [("p", t, 0.06, 0, tokens), ("d", t + 0.001, decode_s, 1, 0)]
+        alone += [chunk_s, np.nan]
+    run = _rows(*passes)
+    return run, pd.Series(alone, index=run.index)
+
+
+def test_the_decode_shares_shape_is_read_by_the_size_of_the_chunk_beside() -> None:
+    """Hand arithmetic. A decode pass of 6 ms alone inside a chunk pass at full pace runs at
+    the decode share: MIN_BESIDE_PASSES of them took 10 ms inside chunks of 300-512 tokens (one
+    size, 10 ms alone): 0.6; as many took 15 ms inside chunks of 2,048 tokens (30 ms alone):
+    0.4. Over a decode share of 0.4 the shape is 1.5 at 10 ms and 1 at 30 ms; read at a pass's
+    whole time alone, each point's seconds with the host time. One size short of passes leaves
+    one point: none."""
+    decode = decode_alone(_rows(("c", 0.0, 6e-3, 1, 0), ("c", 0.01, 6e-3, 2, 0)))
+    n = MIN_BESIDE_PASSES
+    small = [(300 + i, 0.010, 0.010) for i in range(n)]
+    run, shaped = _beside_chunks([*small, *[(2048, 0.030, 0.015)] * n])
+    shape = decode_share_shape([(run, shaped)], decode, 0.4)
+    assert [x for p in shape for x in p] == pytest.approx([0.010, 1.5, 0.030, 1.0], rel=1e-6)
+    hosted = decode_share_shape([(run, shaped)], decode, 0.4, host_s=0.002)
+    assert [x for p in hosted for x in p] == pytest.approx([0.012, 1.5, 0.032, 1.0], rel=1e-6)
+    # in one piece of 4,096 tokens, all one size: no shape
+    assert decode_share_shape([(run, shaped)], decode, 0.4, pieces=(4096,)) == ()
+    short, at = _beside_chunks([*small, *[(2048, 0.030, 0.015)] * (n - 1)])
+    assert decode_share_shape([(short, at)], decode, 0.4) == ()
+    # pooled with a second run, the short size has its passes
+    more, alone = _beside_chunks([(2048, 0.030, 0.015)])
+    pooled = decode_share_shape([(short, at), (more, alone)], decode, 0.4)
+    assert [x for p in pooled for x in p] == pytest.approx([0.010, 1.5, 0.030, 1.0], rel=1e-6)
+
+
+def test_the_fit_finds_the_decode_shares_shape_a_simulated_gpu_ran_at() -> None:
+    """A disaggregated run simulated on one shared GPU at decode share 0.4, prefill share 1 and
+    the decode share shaped 1.5 at 20 ms alone and 1 at 45 ms: each size's fitted factor lies
+    among the factors the simulator gave its chunk passes (a size's passes span 1,025-2,048
+    tokens, say), and the shorter chunks' is the larger."""
+    disagg = other_mode(
+        load_experiment(EXPERIMENTS / "llama8b-h200.toml", ["workload.duration_s=20"])
+    )
+    apart = _steps(disagg)
+    points = ((0.020, 1.5), (0.045, 1.0))
+    steps = _steps(
+        disagg.updated(
+            "cluster.shared_gpu=true",
+            "cluster.decode_share=0.4",
+            "cluster.prefill_share=1.0",
+            f"cluster.decode_share_shape={[list(p) for p in points]}",
+        )
+    )
+    chunk = steps.prefill_tokens > 0
+    alone = pd.Series(np.nan, index=steps.index)
+    alone[chunk] = chunk_line(apart)(steps.prefill_tokens[chunk].to_numpy(float))
+    pieces = disagg.hw.latency.prefill_graphs
+    shape = decode_share_shape([(steps, alone)], decode_alone(apart), 0.4, pieces)
+    assert len(shape) == 2 and shape[0][1] > shape[1][1]
+    sizes = [pieces_size(pieces, n) for n in steps.prefill_tokens[chunk]]
+    simulated = np.interp(alone[chunk], [s for s, _ in points], [f for _, f in points])
+    passes = pd.DataFrame({"size": sizes, "alone": alone[chunk], "factor": simulated})
+    by_size = passes.groupby("size").agg(alone=("alone", "median"), low=("factor", "min"))
+    by_size["high"] = passes.groupby("size").factor.max()
+    for seconds, factor in shape:
+        size = by_size.iloc[int(np.argmin(abs(by_size.alone - seconds)))]
+        assert size.low <= factor <= size.high
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

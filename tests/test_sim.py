@@ -320,11 +320,12 @@ def _ends(
     switch_s: float | None = None,
     extra: float = 0.0,
     shape: tuple[tuple[float, float], ...] = (),
+    share_shape: tuple[tuple[float, float], ...] = (),
 ) -> list[float]:
     """When each (start, seconds alone, decode-only) pass ends on a SharedGPU (`extra`: its
-    chunk_extra_s, `shape` its chunk_extra_shape)."""
+    chunk_extra_s, `shape` its chunk_extra_shape, `share_shape` its decode_share_shape)."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill, switch_s, chunk_extra_s=extra, chunk_extra_shape=shape)
+    gpu = SharedGPU(env, share, prefill, switch_s, 1.0, extra, shape, share_shape)
 
     def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
         yield start
@@ -410,6 +411,27 @@ def test_a_chunk_pass_takes_the_extra_its_time_alone_gives_on_the_shape() -> Non
         beside = [(0.0, 1.0, True), (0.0, alone, False)]  # a decode of 1 s: beside throughout
         ends = _ends(beside, 0.25, 1.0, extra=10e-3, shape=shape)
         assert ends[1] == pytest.approx(alone + extra, abs=1e-12)
+
+
+def test_a_decode_pass_weighs_the_share_the_chunk_beside_it_gives_on_the_shape() -> None:
+    """Hand arithmetic, decode share 0.25, prefill share 1, the decode share shaped 2 at 10 ms
+    alone and 1 at 30 ms. A 6 ms decode beside a 10 ms chunk pass weighs 0.5 (capacity 1.5):
+    it runs at 1.5 x 0.5 / 1.5 = 0.5 and the chunk at full pace, so the chunk ends at 10 ms
+    and the decode, 5 ms done, at 11. Beside a 20 ms chunk it weighs 0.375 and ends at
+    6 / 0.375 = 16 ms; beside a 30 ms one, 0.25: 24 ms. When a 30 ms chunk follows the 10 ms
+    one at 10 ms, the decode's last 1 ms runs at 0.25: it ends at 14 ms. Round robin: no
+    shape."""
+    shape = ((0.010, 2.0), (0.030, 1.0))
+    for chunk_s, decode_end in ((10e-3, 11e-3), (20e-3, 16e-3), (30e-3, 24e-3)):
+        ends = _ends([(0.0, 6e-3, True), (0.0, chunk_s, False)], 0.25, 1.0, share_shape=shape)
+        assert ends == pytest.approx([decode_end, chunk_s], abs=1e-12)
+    two = [(0.0, 6e-3, True), (0.0, 10e-3, False), (10e-3, 30e-3, False)]
+    assert _ends(two, 0.25, 1.0, share_shape=shape) == pytest.approx([14e-3, 10e-3, 40e-3])
+    # beside no chunk pass, no factor: two decodes run at 1.25 x 0.25 / 0.5 = 0.625 each
+    decodes = [(0.0, 2e-3, True), (0.0, 4e-3, True)]
+    assert _ends(decodes, 0.25, 1.0, share_shape=shape) == pytest.approx([3.2e-3, 5.2e-3])
+    rr = [(0.0, 6e-3, True), (0.0, 30e-3, False)]
+    assert _ends(rr, 0.9, switch_s=4e-3, share_shape=shape) == pytest.approx([40e-3, 40e-3])
 
 
 def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:

@@ -416,7 +416,8 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     each: the one it ran under replays it closest, and goes to share.json; the round robin's
     and the turns rule's switch costs and the chunk extra are
     found again within 10% (the summary's percentiles move in steps, so costs near them
-    replay it as closely), the shares within 1%."""
+    replay it as closely), the shares within 1%, and the decode share the same beside every
+    chunk (its shape within 2% of 1)."""
     from typer.testing import CliRunner
 
     from disagg.cli import app
@@ -457,13 +458,15 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     elif rule == "weights":
         assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
-        assert list(fitted) == [*WEIGHTS, "chunk_extra_shape", "chunk_extra_s"]
-        shape = fitted.pop("chunk_extra_shape")
+        shapes = ["chunk_extra_shape", "decode_share_shape"]
+        assert list(fitted) == [*WEIGHTS, *shapes, "chunk_extra_s"]
+        shape, beside = (fitted.pop(name) for name in shapes)
         assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
         assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
-        # the same extra at every size: the shape flat, or none
+        # the same extra at every size and one decode share beside all: both shapes flat
         assert all(f == pytest.approx(1.0, abs=0.1) for _, f in shape)
-        fitted["chunk_extra_shape"] = shape
+        assert all(f == pytest.approx(1.0, abs=0.02) for _, f in beside)
+        fitted |= {"chunk_extra_shape": shape, "decode_share_shape": beside}
     assert read_shares(cal / "share.json") == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
         assert (cal / rule_dir / "disagg-20rps" / "summary.json").exists()

@@ -489,6 +489,7 @@ class Sim:
                 exp.cost.profile_host_before,
                 c.chunk_extra_s,
                 c.chunk_extra_shape,
+                c.decode_share_shape,
             )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]

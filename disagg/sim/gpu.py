@@ -24,7 +24,10 @@ than alone. Three rules say how much; a pass alone always runs at full speed.
   then met a decode pass took as long as one that began beside it, on an H100 and an H200
   (docs/calibration.md). With `cluster.chunk_extra_shape` the extra follows the pass's time
   alone: a Qwen3-30B-A3B pass took 14-17 ms more up to 19 ms alone and 29-33 ms more at
-  29 ms (benchmarks/results/2026-12-06d-gpu/)."""
+  29 ms (benchmarks/results/2026-12-06d-gpu/). With `cluster.decode_share_shape` a decode
+  pass's weight follows the time alone of the chunk pass beside it: on one H100 a
+  Llama-3.1-8B decode pass ran at 0.62 of its pace alone beside a chunk of 13 ms alone, 0.53
+  beside 26 ms and 0.40 beside 45 ms, in every run (benchmarks/results/2026-12-06f-gpu/)."""
 
 from __future__ import annotations
 
@@ -94,17 +97,18 @@ class SharedGPU(_OneGPU):
         host_before: float = 1.0,
         chunk_extra_s: float = 0.0,
         chunk_extra_shape: Sequence[tuple[float, float]] = (),
+        decode_share_shape: Sequence[tuple[float, float]] = (),
     ) -> None:
         super().__init__(env, host_before)
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
         self.weights = (decode_share, prefill)  # decode-only, with a prompt chunk
-        self.capacity = 1.0 if prefill_share is None else decode_share + prefill_share
+        self.conserved = prefill_share is None  # the capacity 1, whatever the decode weight
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
-        # the shape's seconds and factors (none: every pass adds chunk_extra_s)
-        self.shape_s = np.array([s for s, _ in chunk_extra_shape], float)
-        self.shape_f = np.array([f for _, f in chunk_extra_shape], float)
-        self.running: dict[Signal, list[float]] = {}  # pass -> [seconds of work left, weight]
+        self.extra_shape = _points(chunk_extra_shape)  # none: every pass adds chunk_extra_s
+        self.share_shape = _points(() if switch_s is not None else decode_share_shape)
+        # pass -> [seconds of work left, weight, decode-only, seconds alone]
+        self.running: dict[Signal, list[Any]] = {}
         # passes with a chunk that have met no other pass yet -> the extra they would add
         self.alone: dict[Signal, float] = {}
         self.at = 0.0  # when the work left was last brought up to date
@@ -115,18 +119,29 @@ class SharedGPU(_OneGPU):
             return seconds
         return self.weights[0] if decode_only else self.weights[1]
 
-    def pace(self, weight: float, total: float, passes: int) -> float:
-        """The pace of a pass of `weight` among `passes` running passes of `total` weight."""
-        if self.switch_s is not None:
-            return round_robin(weight, total, passes, self.switch_s)
-        return pace(weight, total, self.capacity)
-
     def extra_s(self, seconds: float) -> float:
         """The work a pass with a chunk of `seconds` alone adds once it meets another pass:
         `chunk_extra_s`, times the shape's factor at `seconds`."""
-        if not (self.chunk_extra_s and len(self.shape_s)):
-            return self.chunk_extra_s
-        return self.chunk_extra_s * float(np.interp(seconds, self.shape_s, self.shape_f))
+        if not self.chunk_extra_s:
+            return 0.0
+        return self.chunk_extra_s * _factor(self.extra_shape, seconds)
+
+    def paces(self, passes: Sequence[Sequence[Any]]) -> list[float]:
+        """The paces of `passes` ([work left, weight, decode-only, seconds alone] each) running
+        together. Round robin: each its seconds' part of all theirs plus the turns' cost.
+        Weights: each its weight's part of the capacity, at most 1, where a decode-only pass
+        weighs the decode share times the shape's factor at the time alone of the passes with
+        a chunk beside it (their mean factor), and the capacity is the two shares' sum."""
+        n = len(passes)
+        total = sum(p[1] for p in passes)
+        if self.switch_s is not None:
+            return [round_robin(p[1], total, n, self.switch_s) for p in passes]
+        chunks = [_factor(self.share_shape, p[3]) for p in passes if not p[2]]
+        f = sum(chunks) / len(chunks) if chunks else 1.0
+        weights = [p[1] * f if p[2] else p[1] for p in passes]
+        total = sum(weights)
+        capacity = 1.0 if self.conserved else self.weights[0] * f + self.weights[1]
+        return [pace(w, total, capacity) for w in weights]
 
     def work_s(self, seconds: float, decode_only: bool) -> float:
         """The work of a pass of `seconds` alone started now: with a prompt chunk beside
@@ -143,10 +158,9 @@ class SharedGPU(_OneGPU):
     def expected_s(self, seconds: float, decode_only: bool) -> float:
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
-        seconds = self.work_s(seconds, decode_only)
-        w = self.weight(seconds, decode_only)
-        total = w + sum(p[1] for p in self.running.values())
-        return seconds / self.pace(w, total, len(self.running) + 1)
+        work = self.work_s(seconds, decode_only)
+        new = [work, self.weight(work, decode_only), decode_only, seconds]
+        return work / self.paces([new, *self.running.values()])[0]
 
     def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
         self._advance()
@@ -155,16 +169,16 @@ class SharedGPU(_OneGPU):
         self._meet()
         if not decode_only and not self.running:
             self.alone[done] = self.extra_s(seconds)
-        self.running[done] = [work, self.weight(work, decode_only)]
+        self.running[done] = [work, self.weight(work, decode_only), decode_only, seconds]
         self._schedule()
         yield done
 
     def _advance(self) -> None:
         now = self.env._now
         if self.running:
-            total, n = sum(p[1] for p in self.running.values()), len(self.running)
-            for p in self.running.values():
-                p[0] -= (now - self.at) * self.pace(p[1], total, n)
+            passes = list(self.running.values())
+            for p, at in zip(passes, self.paces(passes), strict=True):
+                p[0] -= (now - self.at) * at
         self.at = now
 
     def _schedule(self) -> None:
@@ -172,8 +186,8 @@ class SharedGPU(_OneGPU):
         self.turn += 1
         if not self.running:
             return
-        total, n = sum(p[1] for p in self.running.values()), len(self.running)
-        ends = {s: p[0] / self.pace(p[1], total, n) for s, p in self.running.items()}
+        paces = self.paces(list(self.running.values()))
+        ends = {s: p[0] / at for (s, p), at in zip(self.running.items(), paces, strict=True)}
         first = min(ends, key=ends.__getitem__)
         turn = self.turn
         self.env.call(max(0.0, ends[first]), lambda: self._end(turn, first))
@@ -186,6 +200,16 @@ class SharedGPU(_OneGPU):
         self.alone.pop(first, None)
         first.succeed()
         self._schedule()
+
+
+def _points(shape: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """A shape's (seconds, factor) points as two arrays."""
+    return np.array([s for s, _ in shape], float), np.array([f for _, f in shape], float)
+
+
+def _factor(shape: tuple[np.ndarray, np.ndarray], seconds: float) -> float:
+    """A shape's factor at `seconds`, interpolated and held at the ends; 1 without points."""
+    return float(np.interp(seconds, *shape)) if len(shape[0]) else 1.0
 
 
 # a decode pass of more sequences yields once more before its device time: its host issues
