@@ -121,17 +121,14 @@ def _bisect(work: Callable[[float], float], want: float, bounds: tuple[float, fl
 
 
 def _overlaps(
-    steps: pd.DataFrame, alone: Line, decode: bool, only: Sequence[int] | None = None
+    steps: pd.DataFrame, alone: Line, decode: bool
 ) -> tuple[float, int, Callable[[float, float], float]]:
     """The passes of one kind of `steps`, decode-only (`decode`) or with a chunk, that met a
-    pass of the other kind of another node (with `only`, those of them at these positions):
-    their time alone in all, how many they are, and the work they did at decode share a and
-    prefill share b (`work(a, b)`)."""
+    pass of the other kind of another node: their time alone in all, how many they are, and
+    the work they did at decode share a and prefill share b (`work(a, b)`)."""
     if (steps.steps > 1).any():
         raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
     segments = overlap_segments(steps, decode)
-    if only is not None:
-        segments = {i: segments[i] for i in only}
     if not segments:
         raise ConfigError("no decode pass met a prompt pass of another node: no share to fit")
     size = steps.decode_seqs if decode else steps.prefill_tokens
@@ -298,31 +295,33 @@ def decode_share_shape(
     kept = sorted((s for s in beside if len(beside[s]) >= MIN_BESIDE_PASSES), key=at.__getitem__)
     if len(kept) < 2:
         return ()
-    share = dict.fromkeys([0.0, *at], decode_share)
-    joined = {size: [np.concatenate(c) for c in zip(*beside[size], strict=True)] for size in kept}
+    sizes = np.array([0.0, *sorted(at)])  # 0: beside no chunk
+    share = np.full(len(sizes), decode_share)  # each size's, by its place in `sizes`
+    place = {size: int(np.searchsorted(sizes, size)) for size in kept}
 
     def work(size: float) -> Callable[[float], float]:
-        seconds, ndec, nother, marks = joined[size]
+        seconds, ndec, nother, marks = (np.concatenate(c) for c in zip(*beside[size], strict=True))
+        of = np.searchsorted(sizes, marks)  # each piece's chunk's place
 
         def at_share(a: float) -> float:
-            shares = np.array([a if m == size else share[m] for m in marks])
+            shares = np.where(of == place[size], a, share[of])
             pace = np.minimum(1.0, (shares + 1) * shares / (shares * ndec + nother))
             pace[ndec + nother == 1] = 1.0
             return float((seconds * pace).sum())
 
         return at_share
 
+    works = {size: work(size) for size in kept}
+    rest = [i for i, size in enumerate(sizes) if i and size not in place]
     for _ in range(turns):
-        moved = 0.0
+        before = share.copy()
         for size in kept:
-            fitted = _bisect(work(size), want[size], SHARE_BOUNDS)
-            moved, share[size] = max(moved, abs(fitted - share[size])), fitted
-        xs, ys = [at[s] for s in kept], [share[s] for s in kept]
-        for size in at.keys() - set(kept):
-            share[size] = float(np.interp(at[size], xs, ys))
-        if moved < 1e-9:
+            share[place[size]] = _bisect(works[size], want[size], SHARE_BOUNDS)
+        xs, ys = [at[s] for s in kept], [share[place[s]] for s in kept]
+        share[rest] = np.interp([at[sizes[i]] for i in rest], xs, ys)
+        if np.abs(share - before).max() < 1e-9:
             break
-    return tuple((at[s] + host_s, share[s] / decode_share) for s in kept)
+    return tuple((at[s] + host_s, float(share[place[s]]) / decode_share) for s in kept)
 
 
 MIN_ALONE_PASSES = 20  # decode passes that met no chunk pass, for `decode_scale` to speak
