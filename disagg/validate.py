@@ -732,7 +732,8 @@ def fit_extra(
     themselves show. Their replays are left in `out`."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     runs = [(d, pd.read_parquet(d / "steps.parquet")) for d in shared]
-    a, passes_s = shares_at_full_pace(runs[0][1], decode_alone(steps), chunk_line(steps))
+    alone_s = decode_alone(steps)
+    a, passes_s = shares_at_full_pace(runs[0][1], alone_s, chunk_line(steps))
     weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
     timed = [
         (load_experiment(d, [*on_profile]), run)
@@ -745,7 +746,7 @@ def fit_extra(
         at_shape = [(run, shape_device(run, e)) for e, run in timed]
         pieces = exp.hw.latency.prefill_graphs
         weights[SHAPE] = extra_shape(at_shape, pieces, host_s)
-        weights[SHARE_SHAPE] = decode_share_shape(at_shape, decode_alone(steps), a, pieces, host_s)
+        weights[SHARE_SHAPE] = decode_share_shape(at_shape, alone_s, a, pieces, host_s)
 
     def error(extra_s: float) -> float:
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})

@@ -107,7 +107,8 @@ class SharedGPU(_OneGPU):
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
         self.extra_shape = _points(chunk_extra_shape)  # none: every pass adds chunk_extra_s
         self.share_shape = _points(() if switch_s is not None else decode_share_shape)
-        # pass -> [seconds of work left, weight, decode-only, seconds alone]
+        # pass -> [seconds of work left, weight, decode-only, the decode share's factor
+        # beside it (`share_factor`)]
         self.running: dict[Signal, list[Any]] = {}
         # passes with a chunk that have met no other pass yet -> the extra they would add
         self.alone: dict[Signal, float] = {}
@@ -126,17 +127,21 @@ class SharedGPU(_OneGPU):
             return 0.0
         return self.chunk_extra_s * _factor(self.extra_shape, seconds)
 
+    def share_factor(self, seconds: float, decode_only: bool) -> float:
+        """The decode share's factor beside a pass with a chunk of `seconds` alone (the shape's
+        there); 1 for a decode-only pass, which sets no factor."""
+        return 1.0 if decode_only else _factor(self.share_shape, seconds)
+
     def paces(self, passes: Sequence[Sequence[Any]]) -> list[float]:
-        """The paces of `passes` ([work left, weight, decode-only, seconds alone] each) running
+        """The paces of `passes` ([work left, weight, decode-only, share factor] each) running
         together. Round robin: each its seconds' part of all theirs plus the turns' cost.
         Weights: each its weight's part of the capacity, at most 1, where a decode-only pass
-        weighs the decode share times the shape's factor at the time alone of the passes with
-        a chunk beside it (their mean factor), and the capacity is the two shares' sum."""
-        n = len(passes)
-        total = sum(p[1] for p in passes)
+        weighs the decode share times the mean factor of the passes with a chunk beside it,
+        and the capacity is the two shares' sum."""
         if self.switch_s is not None:
-            return [round_robin(p[1], total, n, self.switch_s) for p in passes]
-        chunks = [_factor(self.share_shape, p[3]) for p in passes if not p[2]]
+            total = sum(p[1] for p in passes)
+            return [round_robin(p[1], total, len(passes), self.switch_s) for p in passes]
+        chunks = [p[3] for p in passes if not p[2]]
         f = sum(chunks) / len(chunks) if chunks else 1.0
         weights = [p[1] * f if p[2] else p[1] for p in passes]
         total = sum(weights)
@@ -159,7 +164,8 @@ class SharedGPU(_OneGPU):
         """How long a pass of `seconds` started now would take if the passes running now ran
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
         work = self.work_s(seconds, decode_only)
-        new = [work, self.weight(work, decode_only), decode_only, seconds]
+        factor = self.share_factor(seconds, decode_only)
+        new = [work, self.weight(work, decode_only), decode_only, factor]
         return work / self.paces([new, *self.running.values()])[0]
 
     def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
@@ -169,7 +175,8 @@ class SharedGPU(_OneGPU):
         self._meet()
         if not decode_only and not self.running:
             self.alone[done] = self.extra_s(seconds)
-        self.running[done] = [work, self.weight(work, decode_only), decode_only, seconds]
+        factor = self.share_factor(seconds, decode_only)
+        self.running[done] = [work, self.weight(work, decode_only), decode_only, factor]
         self._schedule()
         yield done
 
