@@ -32,6 +32,12 @@ class LatencyConfig(_Frozen):
     # a server plans its next decode pass while this one runs on the GPU (the same rows one
     # token on, less those it finishes), and uses the plan if that is the next pass
     overlap: bool = True
+    # a decode or colocated server launches its next decode pass before it reads this one's
+    # tokens, where nothing waits to join (the role's `continuation`): the next pass takes this
+    # one's sampled tokens on the device, and the host's work between passes runs while the
+    # device does; a request that comes meanwhile joins the pass after (CUDA: decode passes
+    # that replay a captured graph; not on a node of several ranks). The simulator runs it too
+    chain: bool = False
     # a pass with a prompt chunk of at most max(prefill_graphs) new tokens, all told, replays
     # CUDA graphs of its work between attentions, captured at start for each size here and run
     # at the next size up (disagg.hw.pieces; GQA models on one rank, experts grouped); ():

@@ -330,12 +330,15 @@ def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
 
 def busy_passes(steps: pd.DataFrame, alone: bool = False) -> pd.DataFrame:
     """`steps`' passes with device times that their node's loop followed at once, each with
-    its loop time (`loop_s`). With `alone`, only those that met no pass of the other kind on
+    its loop time (`loop_s`); not the chained ones (hw.latency.chain), whose host time ran
+    during the pass before. With `alone`, only those that met no pass of the other kind on
     another node: on a GPU that nodes share, a pass beside another's waits for the GPU
     outside its device events, which its loop time would count as the host's."""
     if "device_s" not in steps:
         return steps.iloc[:0].assign(loop_s=0.0)
     busy = steps.assign(loop_s=loop_s(steps, waited=math.nan))
+    if "chained" in steps:
+        busy.loc[steps.chained > 0, "loop_s"] = math.nan
     if alone:
         beside = [*overlap_segments(steps, decode=True), *overlap_segments(steps, decode=False)]
         busy = busy.drop(index=steps.index[beside])

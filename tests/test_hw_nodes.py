@@ -94,10 +94,15 @@ def assert_shapes_hold_every_token(out: Path, disagg: bool) -> None:
     got = (steps.decode_context.sum(), steps.prefill_attn_pairs.sum())
     assert got == held_and_pairs(placed(out), disagg)
     # and where its host time went: before the forward's launch, then the launch (on the CPU
-    # the forward itself), both within the pass
-    before, launch = steps.host_before_s, steps.launch_s
+    # the forward itself), both within the pass; a chained pass's, before it (not measured)
+    chained = steps.chained == 1
+    before, launch = steps.host_before_s[~chained], steps.launch_s[~chained]
     assert (before > 0).all() and (launch > 0).all()
-    assert (before + launch <= steps.duration_s + 1e-6).all()
+    assert (before + launch <= steps.duration_s[~chained] + 1e-6).all()
+    assert steps.host_before_s[chained].isna().all() and steps.launch_s[chained].isna().all()
+    ends = steps.start_s + steps.duration_s  # a node's rows do not overlap, chained or not
+    for _, rows in steps.sort_values("start_s").groupby("node"):
+        assert (rows.start_s.iloc[1:].to_numpy() >= ends[rows.index].iloc[:-1].to_numpy()).all()
 
 
 def test_one_prefill_two_decodes_round_robin(reference: dict, tmp_path: Path) -> None:
@@ -156,6 +161,21 @@ def test_two_colocated_nodes_round_robin(reference: dict, tmp_path: Path) -> Non
     req = placed(tmp_path / "2c")
     assert list(req.decode_node) == list(req.prefill_node) == [0, 1, 0, 1, 0, 1]
     assert_shapes_hold_every_token(tmp_path / "2c", disagg=False)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_chained_passes_give_the_same_tokens(mode: str, reference: dict, tmp_path: Path) -> None:
+    """hw.latency.chain: a decode pass launched before the pass it follows is read, its tokens
+    that pass's samples on the device, gives the tokens and logits of passes launched one by
+    one; the run chains some passes (all requests come within 0.1 s, then decode together)."""
+    group = {"nodes": 1, "tp": 1, "token_budget": 1000, "max_batch": 8}
+    data = disagg(1, 1) if mode == "disagg" else experiment({"mode": mode, "colocated": group})
+    summary, state = run(tmp_path, mode, data, "hw.latency.chain=true")
+    assert_same_tokens(summary, state, reference)
+    steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
+    generating = steps[steps.node != "prefill0"]
+    assert 0 < generating.chained.sum() < len(generating)
+    assert_shapes_hold_every_token(tmp_path / mode, disagg=mode == "disagg")
 
 
 def test_a_dead_decode_node_fails_only_its_own_requests(reference: dict, tmp_path: Path) -> None:

@@ -124,3 +124,42 @@ def test_gpu_a_pass_planned_while_the_one_before_ran_gives_the_same_logits() -> 
         for i, tok in zip(rows, got.tokens, strict=True):
             tokens[i].append(tok)
     assert a.planned_ahead == 4 and b.planned_ahead == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_a_chained_pass_takes_its_tokens_on_the_device_and_gives_the_same_logits(
+    device: str,
+) -> None:
+    """hw.latency.chain on the runner: three rows decode five passes, each launched before the
+    one before it is read, its tokens that pass's samples at its rows (`feed`); row 1 leaves
+    after the third pass, so the fourth is fed rows 0 and 2 of the third (on a GPU, in the
+    graph of 2). Every pass gives, bit for bit, the logits of a runner that ran each pass as
+    it came with the tokens read on the host."""
+    m = Transformer(small_gqa(), seed=4, device=device)
+    a, b = (Runner(m, m.new_cache(48, PAGE), graph_batches=(2, 4)) for _ in range(2))
+    prompts = [[5, 9, 2, 7, 7, 1, 30, 4, 8], [11, 3, 6], [40, 41, 42, 43, 44, 45, 46]]
+    pages = [tuple(range(16 * i, 16 * i + 16)) for i in range(3)]
+    for r in (a, b):
+        r.capture()
+        r.step([Seq.of(p, 0, pages[i]) for i, p in enumerate(prompts)])
+    tokens = [[7], [8], [9]]
+    rows = [0, 1, 2]
+    first = [Seq.of(tokens[i][-1:], len(prompts[i]), pages[i]) for i in rows]
+    assert a.chains(first)
+    got = a.step(first, sample=True, read=False)
+    for step in range(5):
+        nxt = [i for i in rows if step < 2 or i != 1]
+        after = [Seq((0,), len(prompts[i]) + step + 1, pages[i]) for i in nxt]
+        chained = (
+            a.step(after, sample=True, feed=(got, [rows.index(i) for i in nxt]), read=False)
+            if step < 4
+            else None
+        )
+        batch = [Seq.of(tokens[i][-1:], len(prompts[i]) + step, pages[i]) for i in rows]
+        want = b.step(batch, sample=True)
+        assert got.read() == want.tokens and want.tokens is not None
+        torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+        for i, tok in zip(rows, want.tokens, strict=True):
+            tokens[i].append(tok)
+        if chained is not None:
+            got, rows = chained, nxt

@@ -3,6 +3,7 @@ on small hand-written tables (the interpolation itself: tests/test_costmodel.py)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, cast
 
@@ -482,3 +483,50 @@ def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path:
         for role in ("colocated", "decode")
     }
     assert by_role == {"colocated": pytest.approx(1.15), "decode": pytest.approx(1.15)}
+
+
+def chain_run(tmp_path: Path, chain: bool) -> Sim:
+    """A finished colocated Sim on a profile whose every pass has 1 ms of host time: decode
+    passes take 10 ms on the device at any context, a 600-token prompt 1.171875 ms (between
+    512 and 1,024 tokens: 1 and 2 ms). Request 0 (600 + 10 tokens) comes at 0, request 1 (600
+    + 3) at 40 ms, while request 0 decodes alone."""
+    rows = [f"prefill,{n},1,0,{n / 512e3},0.001" for n in (512, 1024)]
+    rows += [f"decode,{b},{b},{c},0.01,0.001" for b in (1, 8) for c in (1000, 3000)]
+    profile = tmp_path / "flat.csv"
+    profile.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
+    trace = tmp_path / "two.jsonl"
+    lines = [{"timestamp": 0, "output_length": 10}, {"timestamp": 40, "output_length": 3}]
+    trace.write_text("".join(json.dumps({**r, "input_length": 600}) + "\n" for r in lines))
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
+        "cost": {"source": f"profile:{profile}"},
+        "workload": {"trace": str(trace)},
+        "hw": {"latency": {"chain": chain}},
+    }
+    sim = Sim(build_experiment(data))
+    sim.run()
+    return sim
+
+
+def test_a_chained_pass_runs_without_its_host_time_and_a_newcomer_waits_one_pass_more(
+    tmp_path: Path,
+) -> None:
+    """Hand arithmetic (`chain_run`), from request 0's prefill start (the control hop): its
+    prompt's pass takes 2.171875 ms with the host time. Unchained, its decode passes take 11
+    ms each; request 1 comes during the fourth (35.17-46.17 ms) and its prompt starts when
+    that ends. Chained, the first decode pass after the prompt's takes 11 ms and the rest 10;
+    request 1 comes during the fourth (33.17-43.17), which has launched the fifth behind it,
+    so its prompt starts at 53.17. Request 0's TPOT is 11 ms unchained, and chained less 1 ms
+    on each pass but the first until request 1 joins."""
+    tpot = []
+    for chain, joins_ms in ((False, 2.171875 + 4 * 11), (True, 2.171875 + 11 + 4 * 10)):
+        sim = chain_run(tmp_path, chain)
+        req = requests_table(sim.requests.values()).set_index("request_id")
+        hop = req.prefill_start_s[0]
+        assert req.prefill_start_s[1] - hop == pytest.approx(joins_ms / 1e3, abs=1e-12)
+        # chained: request 0's passes 2-5; after request 1's prompt, the second and third
+        assert steps_table(sim.rec).chained.sum() == (4 + 2 if chain else 0)
+        tpot.append(req.tpot_s[0])
+    # request 0's 9 tokens after its first: 6 of their passes 1 ms shorter
+    assert tpot[0] - tpot[1] == pytest.approx(6e-3 / 9, abs=1e-12)

@@ -18,6 +18,7 @@ from disagg.core.policies import (
 from disagg.core.request import Request, Status
 from disagg.core.router import LeastLoaded, RoundRobin, pick_replica
 from disagg.core.scheduler import (
+    Batch,
     ColocatedScheduler,
     DecodePriorityScheduler,
     DecodeScheduler,
@@ -72,6 +73,46 @@ def test_decode_admits_only_ready_up_to_max_batch() -> None:
     p = s.complete(s.schedule(), steps=2)
     assert [r.id for r in p.finished] == [0, 1]
     assert [r.id for r in s.schedule().decodes] == [2]
+
+
+def test_a_decode_continuation_is_the_next_schedule_unless_a_request_is_ready() -> None:
+    """The pass after a batch, asked while it runs: its decodes less those it finishes, which
+    is what `schedule` gives after `complete`; None while a request waits to join, or when the
+    batch finishes every decode."""
+    s = DecodeScheduler(max_batch=4)
+    s.add_ready(req(0, output=3))
+    s.add_ready(req(1, output=2))
+    batch = s.schedule()
+    s.complete(batch)  # first tokens: 0 has 2 to go, 1 has 1
+    batch = s.schedule()
+    nxt = s.continuation(batch)
+    assert nxt is not None and [r.id for r in nxt.decodes] == [0]
+    s.complete(batch)
+    assert s.schedule().decodes == nxt.decodes
+    s.add_ready(req(2, output=5))
+    assert s.continuation(Batch(decodes=[s.running[0]])) is None  # 2 joins the next pass
+    s.complete(s.schedule())  # 0's last token
+    assert s.continuation(Batch(decodes=list(s.running))) is not None
+    assert s.continuation(Batch(decodes=[req(3, output=1)])) is None  # it finishes
+
+
+def test_a_colocated_continuation_waits_for_no_prompt() -> None:
+    """A colocated scheduler's continuation holds while no prompt waits or is being computed,
+    and the batch computes none; the variants' is the same."""
+    for cls in (ColocatedScheduler, PrefillFirstScheduler):
+        s = cls(PagePool(100, 16), token_budget=64, max_batch=8)
+        two_decoding_then(s)
+        batch = s.schedule()
+        nxt = s.continuation(batch)
+        assert nxt is not None and nxt.decodes == batch.decodes
+        s.add(req(2, prompt=30, output=5))
+        assert s.continuation(batch) is None  # waiting
+        batch = s.schedule()
+        assert s.continuation(batch) is None  # computing its prompt
+        s.complete(batch)
+        batch = s.schedule()
+        assert [r.id for r in batch.decodes] == [0, 1, 2] and not batch.chunks
+        assert s.continuation(batch) is not None
 
 
 def test_speculative_decoding_emits_fractional_tokens_per_step() -> None:

@@ -32,10 +32,26 @@ def hand_run(tmp_path: Path, tp: int = 2) -> Path:
     """Two nodes, four passes (one of 10 coalesced decode passes), two requests whose
     transfers overlap; the prefill pool's `tp` GPUs of 8 use NICs 0..tp-1."""
     steps = [
-        ("prefill0", "prefill", 1.0, 0.2, 1, 1, 0, 100, 100, 0.2, 5050.0, 0.0, math.nan, math.nan),
-        ("prefill0", "prefill", 1.2, 0.1, 1, 1, 0, 50, 50, 0.1, 6275.0, 0.0, math.nan, math.nan),
-        ("decode0", "decode", 1.25, 0.05, 1, 1, 1, 1, 0, 0.05, 0.0, 100.0, math.nan, math.nan),
-        ("decode0", "decode", 1.3, 0.5, 10, 2, 2, 2, 0, 0.5, 0.0, 152.0, math.nan, math.nan),
+        (
+            "prefill0",
+            "prefill",
+            1.0,
+            0.2,
+            1,
+            1,
+            0,
+            100,
+            100,
+            0.2,
+            5050.0,
+            0.0,
+            math.nan,
+            math.nan,
+            0,
+        ),
+        ("prefill0", "prefill", 1.2, 0.1, 1, 1, 0, 50, 50, 0.1, 6275.0, 0.0, math.nan, math.nan, 0),
+        ("decode0", "decode", 1.25, 0.05, 1, 1, 1, 1, 0, 0.05, 0.0, 100.0, math.nan, math.nan, 0),
+        ("decode0", "decode", 1.3, 0.5, 10, 2, 2, 2, 0, 0.5, 0.0, 152.0, math.nan, math.nan, 0),
     ]
     requests = [
         _request(0, (0.9, 1.0, 1.2, 1.24, 1.3, 1.8)),

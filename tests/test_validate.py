@@ -653,12 +653,13 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     # of batch 8, has no next pass and is not fitted either)
     first, second = steps.iloc[:4], steps.iloc[4:].assign(start_s=lambda d: d.start_s - 1.0)
     costs = loop_costs([first, second])
-    assert costs == {
+    fitted = {
         "profile_pass_overhead_s": 0.0,
         "profile_host_s": pytest.approx(1.4e-3),
         "profile_host_chunk_s": pytest.approx(3.4e-3),
         "profile_host_per_seq_s": pytest.approx(1.1e-4),
     }
+    assert costs == fitted
     cpu = steps.assign(device_s=math.nan)
     # the median of the six gaps: 0.41, 0.42, 0.42, 0.43, 0.48 and 5 ms
     assert loop_costs([cpu]) == {"profile_pass_overhead_s": pytest.approx(4.25e-4)}
@@ -675,6 +676,12 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     timed = steps.assign(host_before_s=[x * t for x, t in zip(share, loop, strict=True)])
     assert loop_costs([timed])["profile_host_before"] == pytest.approx(0.5)
     assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
+    # chained passes (hw.latency.chain) are not fitted: their host time ran before them, and
+    # a decode pass of 5 ms more loop time would move the line
+    chained = second.assign(chained=[0, 1, 0])
+    chained.loc[5, "device_s"] = device[5] - 5e-3
+    assert loop_costs([first.assign(chained=0), chained]) == fitted
+    assert loop_costs([first, chained.assign(chained=0)]) != fitted
 
 
 def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(

@@ -57,6 +57,7 @@ STEP_COLUMNS = [
     "decode_context",
     "host_before_s",
     "launch_s",
+    "chained",
 ]
 TRANSFER_COLUMNS = [
     "request_id",
@@ -103,17 +104,17 @@ class Recorder:
         decode_context: float = math.nan,
         host_before_s: float = math.nan,
         launch_s: float = math.nan,
+        chained: int = 0,
     ) -> None:
         """One pass (or `steps` identical decode passes); counts are per pass: sequences,
         decoding sequences, tokens (prefill tokens + decode queries), prefill tokens;
         `device_s`: the device's share of `duration_s` (see the module's docstring);
         `prefill_attn_pairs` and `decode_context` as `Batch`'s at the (first) pass;
-        `host_before_s` and `launch_s` as in `batch`."""
+        `host_before_s`, `launch_s` and `chained` as in `batch`."""
         counts = (steps, batch_size, decode_seqs, tokens, prefill_tokens)
         shape = (prefill_attn_pairs, decode_context)
-        self.steps.append(
-            (node, kind, start_s, duration_s, *counts, device_s, *shape, host_before_s, launch_s)
-        )
+        host = (host_before_s, launch_s, chained)
+        self.steps.append((node, kind, start_s, duration_s, *counts, device_s, *shape, *host))
 
     def batch(
         self,
@@ -129,13 +130,16 @@ class Recorder:
         context: float | None = None,
         host_before_s: float = math.nan,
         launch_s: float = math.nan,
+        chained: int = 0,
     ) -> None:
         """The row of `steps` passes of `batch`; each decoding sequence puts `decode_qo` query
         tokens into a pass (1 + draft tokens); `device_s` as in `step`; `pairs` and `context`:
         the first pass's `prefill_attn_pairs` and `decode_context` (None: `batch`'s now, which
         a caller that has not yet advanced its requests past these passes may leave); a hw
         pass's `host_before_s` (from its start to the host beginning to launch its forward)
-        and `launch_s` (the host launching its forward), NaN where not measured."""
+        and `launch_s` (the host launching its forward), NaN where not measured; `chained`: how
+        many of the passes were launched before the pass they follow was read
+        (hw.latency.chain), their host time between passes hidden behind the device's."""
         chunks, d = batch.chunks, len(batch.decodes)
         prefill = sum(c.tokens for c in chunks) if chunks else 0  # batch.prefill_tokens, inlined
         rows, tokens = len(chunks) + d, prefill + d * decode_qo
@@ -158,6 +162,7 @@ class Recorder:
                 context,
                 host_before_s,
                 launch_s,
+                chained,
             )
         )
 

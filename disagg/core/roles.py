@@ -16,7 +16,10 @@ ended, a timer fired, a peer died) and gives it a port to act through:
 
 A backend runs a role's passes itself: `next_batch()` says what the next forward pass computes,
 the backend runs it (a modelled duration, or a real forward) and reports its end with
-`pass_done(batch, ...)`. Request timestamps are stamped here, from the port's clock, so both
+`pass_done(batch, ...)`. A decode or colocated role's `continuation(batch)`, asked while the
+pass of `batch` runs, is the pass after it if nothing comes meanwhile; a backend that chains
+passes (`hw.latency.chain`) runs that one next, without asking `next_batch()`, and reports it
+the same way. Request timestamps are stamped here, from the port's clock, so both
 backends stamp the same events. Timeouts, retries, cancels and peer deaths are handled here
 too, so a policy or a failure path behaves the same in both backends by construction.
 """
@@ -72,6 +75,7 @@ class DecodePolicy(Protocol):
     def __len__(self) -> int: ...
     def add_ready(self, req: Request) -> None: ...
     def schedule(self) -> Batch: ...
+    def continuation(self, batch: Batch) -> Batch | None: ...
     def complete(self, batch: Batch, steps: int = 1) -> Progress: ...
 
 
@@ -83,6 +87,7 @@ class ColocatedPolicy(Protocol):
     def __len__(self) -> int: ...
     def add(self, req: Request) -> None: ...
     def schedule(self) -> Batch: ...
+    def continuation(self, batch: Batch) -> Batch | None: ...
     def complete(self, batch: Batch, steps: int = 1) -> Progress: ...
 
 
@@ -330,6 +335,11 @@ class DecodeRole(_Dispatch):
     def next_batch(self) -> Batch:
         return self.scheduler.schedule()
 
+    def continuation(self, batch: Batch) -> Batch | None:
+        """The pass after the one of `batch` (which runs) if no request becomes ready first:
+        its decodes that it does not finish; None if it may differ."""
+        return self.scheduler.continuation(batch)
+
     def pass_done(
         self, batch: Batch, steps: int = 1, first_token_s: float | None = None
     ) -> Progress:
@@ -391,6 +401,11 @@ class ColocatedRole:
             if math.isnan(c.req.prefill_start_s):
                 c.req.prefill_start_s = now
         return batch
+
+    def continuation(self, batch: Batch) -> Batch | None:
+        """The pass after the one of `batch` (which runs) if no request comes first: its
+        decodes that it does not finish; None if it may differ (prompts to compute)."""
+        return self.scheduler.continuation(batch)
 
     def pass_done(self, batch: Batch, steps: int = 1) -> Progress:
         """`steps` passes of `batch` ended (more than one only for decode-only batches); a

@@ -102,6 +102,12 @@ def steps_to_finish(req: Request, tokens_per_step: float) -> int:
     return max(1, -int(-req.remaining_output // tokens_per_step))
 
 
+def continuing(decodes: list[Request], tokens_per_step: float) -> Batch | None:
+    """The decode pass after one of `decodes`: those it does not finish (None: none)."""
+    left = [r for r in decodes if steps_to_finish(r, tokens_per_step) > 1]
+    return Batch(decodes=left) if left else None
+
+
 class PrefillScheduler:
     """Chunked prefill, FIFO. Each request prefills `target` tokens (set on `add`)."""
 
@@ -176,6 +182,13 @@ class DecodeScheduler:
             self.running.append(req)
         return Batch([], list(self.running))
 
+    def continuation(self, batch: Batch) -> Batch | None:
+        """The next pass if no request becomes ready before it: `batch`'s decodes that it does
+        not finish, in order; None if requests wait to join, or none would be left."""
+        if self.ready or batch.chunks:
+            return None
+        return continuing(batch.decodes, self.tokens_per_step)
+
     def complete(self, batch: Batch, steps: int = 1) -> Progress:
         progress = advance_decodes(batch.decodes, steps, self.tokens_per_step)
         for r in progress.finished:  # each is in `running` once (compared by identity)
@@ -236,6 +249,14 @@ class ColocatedScheduler:
     def chunk_budget(self, decodes: list[Request]) -> int:
         """Prompt tokens a pass carrying `decodes` may add: what the token budget leaves."""
         return self.prefill.token_budget - len(decodes) * self.decode_qo
+
+    def continuation(self, batch: Batch) -> Batch | None:
+        """The next pass if no request comes before it: `batch`'s decodes that it does not
+        finish, in order; None if `batch` computes a prompt, prompts wait or are being
+        computed, or no decode would be left."""
+        if self.waiting or self.prefill.queue or batch.chunks:
+            return None
+        return continuing(batch.decodes, self.decode.tokens_per_step)
 
     def complete(self, batch: Batch, steps: int = 1) -> Progress:
         """Advance a batch; a last chunk emits the request's first token (colocated samples)."""

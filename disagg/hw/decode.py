@@ -14,18 +14,22 @@ from disagg.core import messenger as m
 from disagg.core.policies import make_router
 from disagg.core.request import Request, Status
 from disagg.core.roles import ColocatedRole, DecodeRole
-from disagg.core.scheduler import steps_to_finish
+from disagg.core.scheduler import Batch, steps_to_finish
 from disagg.core.sharding import TransferPlan
 from disagg.errors import ProtocolError
 from disagg.hw.batch import Seq
 from disagg.hw.control import Control
 from disagg.hw.node import Server, dp_rank, transfer_plan
 from disagg.hw.protocol import Finished, NodeConfig, NodeUp, Submit, unpack_imm
+from disagg.hw.runner import StepOutput
 
 
 class GeneratingServer(Server):
     """A server that emits tokens (decode or colocated) and reports finished requests: the
-    port's `finished` sends them to the driver, with the logits of the pass that finished them."""
+    port's `finished` sends them to the driver, with the logits of the pass that finished them.
+    Its passes run in `step`, each subclass building its rows and keeping its tokens."""
+
+    role: DecodeRole | ColocatedRole
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
@@ -35,6 +39,10 @@ class GeneratingServer(Server):
         # the running pass's rows and logits, for the requests it finishes
         self.pass_rows: list[Request] = []
         self.pass_logits: torch.Tensor | None = None
+        # hw.latency.chain: the pass launched behind the one being read (its batch, rows and
+        # output), and when the one before it was read (where its steps row begins)
+        self.chained: tuple[Batch, list[Seq], StepOutput] | None = None
+        self.read_s = math.nan
 
     def finished(self, req: Request) -> None:
         row = next((i for i, r in enumerate(self.pass_rows) if r is req), None)
@@ -86,12 +94,76 @@ class GeneratingServer(Server):
         """Keep the pass's rows and logits for `finished` (until the next pass)."""
         self.pass_rows, self.pass_logits = rows, logits
 
+    def step(self) -> bool:
+        """Run one forward pass if there is work (read one chained behind the last); True if
+        one ran."""
+        got = self.next_pass()
+        if got is None:
+            return False
+        batch, seqs, res, start, chained = got
+        self.chain(batch, seqs, res)
+        tokens = res.read()
+        self.read_s = self.now()
+        self.took(batch, tokens, res)
+        kind = "mixed" if batch.chunks else "decode"
+        end = self.read_s if self.chained is not None else None  # rows do not overlap
+        self.record(kind, start, batch, res, chained, end)
+        self.pass_ran([c.req for c in batch.chunks] + batch.decodes, res.logits)
+        self.role.pass_done(batch)
+        return True
+
+    def rows(self, batch: Batch) -> list[Seq]:
+        """The rows of the pass of `batch`: its chunks', then its decodes' (`decode_seq`)."""
+        raise NotImplementedError
+
+    def then_rows(self, batch: Batch, seqs: list[Seq]) -> list[Seq]:
+        """The pass to plan while the one of `batch` runs (`next_rows`), or none."""
+        return self.next_rows(batch.decodes, seqs[len(batch.chunks) :])
+
+    def took(self, batch: Batch, tokens: list[int], res: StepOutput) -> None:
+        """Keep what the pass of `batch` sampled (`tokens`, one a row) and returns."""
+        raise NotImplementedError
+
+    def next_pass(self) -> tuple[Batch, list[Seq], StepOutput, float, bool] | None:
+        """The pass to read now: the one chained behind the last (`chain`), or the role's
+        next batch, launched here (None: nothing to run). With its rows, its output, when its
+        steps row begins and whether it was chained."""
+        if self.chained is not None:
+            batch, seqs, res = self.chained
+            return batch, seqs, res, self.read_s, True
+        batch = self.role.next_batch()
+        if batch.empty:
+            return None
+        start = self.now()
+        seqs = self.rows(batch)
+        chain = self.hw.latency.chain
+        then = [] if chain else self.then_rows(batch, seqs)
+        res = self.runner.step(seqs, sample=True, then=then, read=not chain)
+        return batch, seqs, res, start, False
+
+    def chain(self, batch: Batch, seqs: list[Seq], res: StepOutput) -> None:
+        """With hw.latency.chain, launch the pass after the one of `batch` (launched, its rows
+        `seqs` and output `res`) now, before its tokens are read, where the role knows it
+        (`continuation`: nothing waits to join) and the runner can (`Runner.chains`): the
+        continuing rows one position on, their tokens this pass's samples, on the device."""
+        self.chained = None
+        nxt = self.role.continuation(batch) if self.hw.latency.chain else None
+        if nxt is None:
+            return
+        row = {id(r): len(batch.chunks) + i for i, r in enumerate(batch.decodes)}
+        rows = [row[id(r)] for r in nxt.decodes]
+        after = [Seq.decode(0, seqs[i].start + 1, seqs[i].pages, seqs[i].dp_rank) for i in rows]
+        if self.runner.chains(after):
+            out = self.runner.step(after, sample=True, feed=(res, rows), read=False)
+            self.chained = nxt, after, out
+
 
 # ---- decode ------------------------------------------------------------------------------
 class DecodeServer(GeneratingServer):
     """The port of a core DecodeRole: immediates from the wire, passes on the model."""
 
     kind = "decode"
+    role: DecodeRole
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
@@ -206,22 +278,14 @@ class DecodeServer(GeneratingServer):
             return self.runner.plan_ahead([self.decode_seq(req)])
         return False
 
-    def step(self) -> bool:
-        batch = self.role.next_batch()
-        if batch.empty:
-            return False
-        start = self.now()
-        seqs = [self.decode_seq(r) for r in batch.decodes]
-        res = self.runner.step(seqs, sample=True, then=self.next_rows(batch.decodes, seqs))
-        assert res.tokens is not None
-        for i, (r, tok) in enumerate(zip(batch.decodes, res.tokens, strict=True)):
+    def rows(self, batch: Batch) -> list[Seq]:
+        return [self.decode_seq(r) for r in batch.decodes]
+
+    def took(self, batch: Batch, tokens: list[int], res: StepOutput) -> None:
+        for i, (r, tok) in enumerate(zip(batch.decodes, tokens, strict=True)):
             self.outputs[r.id].append(tok)
             if r.generated == 0:
                 self.first_logits[r.id] = res.logits[i]
-        self.record("decode", start, batch)
-        self.pass_ran(batch.decodes, res.logits)
-        self.role.pass_done(batch)
-        return True
 
 
 # ---- colocated ---------------------------------------------------------------------------
@@ -229,6 +293,7 @@ class ColocatedServer(GeneratingServer):
     """The port of a core ColocatedRole: chunks and decodes in the same passes."""
 
     kind = "colocated"
+    role: ColocatedRole
 
     def __init__(self, cfg: NodeConfig, control: Control | None = None) -> None:
         super().__init__(cfg, control)
@@ -246,12 +311,8 @@ class ColocatedServer(GeneratingServer):
             if req is not None:
                 self.role.submit(req)
 
-    def step(self) -> bool:
-        batch = self.role.next_batch()
-        if batch.empty:
-            return False
-        start = self.now()
-        seqs = [
+    def rows(self, batch: Batch) -> list[Seq]:
+        chunks = [
             Seq.of(
                 c.req.prompt[c.start : c.start + c.tokens],
                 c.start,
@@ -261,23 +322,21 @@ class ColocatedServer(GeneratingServer):
             )
             for c in batch.chunks
         ]
-        rows = [self.decode_seq(r) for r in batch.decodes]
+        return [*chunks, *(self.decode_seq(r) for r in batch.decodes)]
+
+    def then_rows(self, batch: Batch, seqs: list[Seq]) -> list[Seq]:
         alone = not batch.chunks and not len(self.role.scheduler.waiting)  # no prompt to come
-        then = self.next_rows(batch.decodes, rows) if alone else []
-        res = self.runner.step([*seqs, *rows], sample=True, then=then)
-        assert res.tokens is not None
+        return super().then_rows(batch, seqs) if alone else []
+
+    def took(self, batch: Batch, tokens: list[int], res: StepOutput) -> None:
         for i, c in enumerate(batch.chunks):
             if c.last:
-                self.outputs[c.req.id].append(res.tokens[i])
+                self.outputs[c.req.id].append(tokens[i])
                 self.first_logits[c.req.id] = res.logits[i]
                 if c.tokens > 1:
                     self.meta_sums[c.req.id] = float(res.hidden[i].float().sum())
-        for r, tok in zip(batch.decodes, res.tokens[len(batch.chunks) :], strict=True):
+        for r, tok in zip(batch.decodes, tokens[len(batch.chunks) :], strict=True):
             self.outputs[r.id].append(tok)
-        self.record("mixed" if batch.chunks else "decode", start, batch)
-        self.pass_ran([c.req for c in batch.chunks] + batch.decodes, res.logits)
-        self.role.pass_done(batch)
-        return True
 
 
 def _finished(

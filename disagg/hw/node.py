@@ -19,6 +19,7 @@ wire (tcp, cuda or verbs):
 from __future__ import annotations
 
 import collections
+import math
 import os
 import random
 import sys
@@ -52,7 +53,7 @@ from disagg.hw.protocol import (
     Submit,
 )
 from disagg.hw.ranks import LeaderRunner, join_node, node_caches, rank_model, register_pages
-from disagg.hw.runner import GRAPH_BATCHES, Runner
+from disagg.hw.runner import GRAPH_BATCHES, Runner, StepOutput
 from disagg.hw.transport import make_transport
 from disagg.hw.transport.base import Transport
 from disagg.settings import HW_PAGES
@@ -398,20 +399,38 @@ class Server:
         """Run one forward pass if there is work; True if one ran."""
         raise NotImplementedError
 
-    def record(self, kind: str, start: float, batch: Batch) -> None:
-        """The steps row of the pass of `batch` begun at `start` (`now`), just run: its device
-        time, and where its host time went (`Recorder.batch`)."""
-        took = self.now() - start
-        began, launched = self.runner.launched()
+    def record(
+        self,
+        kind: str,
+        start: float,
+        batch: Batch,
+        res: StepOutput | None = None,
+        chained: bool = False,
+        end: float | None = None,
+    ) -> None:
+        """The steps row of the pass of `batch` begun at `start` (`now`), just run (its output
+        `res`; None: the runner's last step), to `end` (default: now): its device time, and
+        where its host time went (`Recorder.batch`). A `chained` pass was launched while the
+        pass before it ran (hw.latency.chain): its row begins when that one was read, and its
+        host time before and during its launch was spent before then (NaN)."""
+        took = (self.now() if end is None else end) - start
+        if res is None:
+            (began, launched), device_s = self.runner.launched(), self.runner.device_s()
+        else:
+            (began, launched), device_s = res.launched, res.device_s()
+        before, launch = (
+            (math.nan, math.nan) if chained else (began - self.t0 - start, launched - began)
+        )
         self.stats.steps.batch(
             self.cfg.name,
             kind,
             start,
             took,
             batch,
-            device_s=self.runner.device_s(),
-            host_before_s=began - self.t0 - start,
-            launch_s=launched - began,
+            device_s=device_s,
+            host_before_s=before,
+            launch_s=launch,
+            chained=int(chained),
         )
 
     def sync(self) -> None:

@@ -308,18 +308,27 @@ class LeaderRunner(Runner):
     """The leader's runner: each pass goes to the followers first, then runs here too."""
 
     def step(
-        self, batch: Sequence[Seq], *, sample: bool = False, then: Sequence[Seq] = ()
+        self,
+        batch: Sequence[Seq],
+        *,
+        sample: bool = False,
+        then: Sequence[Seq] = (),
+        feed: tuple[StepOutput, Sequence[int]] | None = None,
+        read: bool = True,
     ) -> StepOutput:
         tp = self.model.tp
-        assert tp is not None
+        assert tp is not None and feed is None  # the followers take their tokens from here
         try:
             send_pass(tp, batch)
-            return super().step(batch, sample=sample, then=then)
+            return super().step(batch, sample=sample, then=then, read=read)
         except RuntimeError as e:  # gloo's word for a peer that left
             raise DisaggError(f"a rank of this node's {tp.size} left its group: {e}") from e
 
     def plan_ahead(self, batch: Sequence[Seq], in_flight: bool = False) -> bool:
         return False  # the followers would not have the plan
+
+    def chains(self, batch: Sequence[Seq]) -> bool:
+        return False  # the followers would not have the tokens
 
     def stop_followers(self) -> None:
         """Tell the followers the node is done (they leave their loops), then leave the group."""

@@ -125,14 +125,53 @@ class StepOutput:
     """One step's results (device tensors unless noted).
 
     logits [B, vocab] float32 at each sequence's last new token; hidden [B, hidden] at its
-    `hidden_at` token; tokens: greedy samples (host ints) when asked for; layers_before: the
-    counter value when the step began (its layers are layers_before+1 .. layers_before+L).
+    `hidden_at` token; tokens: greedy samples (host ints) when asked for and read (`read`);
+    layers_before: the counter value when the step began (its layers are layers_before+1 ..
+    layers_before+L); sampled [B] int64: the greedy samples on the device, when asked for
+    (a chained step's inputs); launched: the host's clock around its forward (`launched`).
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
     tokens: list[int] | None
     layers_before: int
+    sampled: torch.Tensor | None = None
+    launched: tuple[float, float] = (math.nan, math.nan)
+    timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    copied: tuple[torch.Tensor, torch.cuda.Event] | None = None  # sampled, on its way to host
+
+    def read(self) -> list[int]:
+        """The greedy samples as host ints, waiting for this step only (not for a step
+        launched after it)."""
+        if self.tokens is None:
+            if self.copied is not None:
+                host, done = self.copied
+                done.synchronize()
+                self.tokens = host.tolist()
+            elif self.sampled is not None:
+                self.tokens = self.sampled.tolist()
+            else:
+                raise ValueError("the step sampled no tokens")
+        return self.tokens
+
+    def device_s(self) -> float:
+        """Seconds from the device reaching this step's forward to its end (see
+        `Runner.device_s`); NaN on the CPU."""
+        if self.timed is None:
+            return math.nan
+        start, end = self.timed
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def _fed(input_ids: torch.Tensor, step: StepOutput, rows: Sequence[int]) -> None:
+    """Write `step`'s samples at `rows` over the first tokens of `input_ids`, on the device."""
+    if step.sampled is None:
+        raise ValueError("a chained step follows a step that sampled its tokens")
+    at = torch.tensor(rows, dtype=torch.int64)
+    if step.sampled.is_cuda:  # pinned: the copy waits for nothing on the host
+        at = at.pin_memory().to(step.sampled.device, non_blocking=True)
+    input_ids[: len(rows)].copy_(step.sampled.index_select(0, at))
 
 
 class _DecodeGraph:
@@ -359,13 +398,31 @@ class Runner:
         return start.elapsed_time(end) / 1e3
 
     def step(
-        self, batch: Sequence[Seq], *, sample: bool = False, then: Sequence[Seq] = ()
+        self,
+        batch: Sequence[Seq],
+        *,
+        sample: bool = False,
+        then: Sequence[Seq] = (),
+        feed: tuple[StepOutput, Sequence[int]] | None = None,
+        read: bool = True,
     ) -> StepOutput:
         """Append the batch's new tokens' K/V, and return logits (and greedy tokens if `sample`).
         `then`: the decode step expected next, planned ahead (`plan_ahead`) while this one runs
-        on the device, before its tokens are read."""
+        on the device, before its tokens are read. `feed` (a step and rows of it): the first
+        rows of `batch` are decode rows whose tokens are that step's samples at those rows,
+        taken on the device (their own tokens are placeholders): a chained step, launched
+        before the one it follows is read (`chains`). `read=False`: the samples stay on their
+        way to the host until `StepOutput.read`, so that a step can be chained behind this one
+        first."""
         with on_device(self.device):  # its streams, graphs and kernels, whatever is current
-            return self._step(batch, sample, then)
+            return self._step(batch, sample, then, feed, read)
+
+    def chains(self, batch: Sequence[Seq]) -> bool:
+        """Whether a step of `batch` may be launched while the step before it runs (`feed`):
+        on the CPU, whose steps run one after the other anyway, or where it replays a graph
+        captured already (an eager step's attention plan would rewrite what the running step
+        reads)."""
+        return self.device.type != "cuda" or self._graph_for(batch, capture=False) is not None
 
     def warm_up(self, tokens: int, caches: Sequence[KVCache] = ()) -> None:
         """Run one eager pass of a prompt of `tokens` tokens (at most what the cache holds) over
@@ -413,7 +470,14 @@ class Runner:
             # host-to-device copy may not have read yet: wait until it has (not for the step).
             self._staged.synchronize()
 
-    def _step(self, batch: Sequence[Seq], sample: bool, then: Sequence[Seq]) -> StepOutput:
+    def _step(
+        self,
+        batch: Sequence[Seq],
+        sample: bool,
+        then: Sequence[Seq],
+        feed: tuple[StepOutput, Sequence[int]] | None,
+        read: bool,
+    ) -> StepOutput:
         before = self.steps * self.model.spec.layers
         group = self.model.group_rows(batch, self.cache)  # DP attention: eager
         graph = self._graph_for(batch) if group is None else None
@@ -422,13 +486,17 @@ class Runner:
             if ahead is not None and ahead[0] is graph and graph.take(ahead[1], batch):
                 self.planned_ahead += 1
             else:
-                self._prepare(graph, batch)
+                self._prepare(graph, batch, in_flight=feed is not None)
+            if feed is not None:
+                _fed(graph.x.input_ids, *feed)
             with self._timing():
                 out = graph.replay(len(batch))
         else:
             self._wait_staged()
             x = self.model.planned_inputs(batch, self.cache, self.attn, group)
             self._mark_staged()
+            if feed is not None:
+                _fed(x.input_ids, *feed)
             size = pieces_size(self.prefill_graphs, x.input_ids.numel())
             pieces = None if size is None else self._pieces_of(size)
             with self._timing():
@@ -440,7 +508,16 @@ class Runner:
                         x, self.cache, self.attn, self.on_layer, group=group
                     )
         self.steps += 1
+        res = StepOutput(out.logits, out.hidden, None, before, None, self._launched, self._timed)
+        if sample:
+            res.sampled = out.logits.argmax(-1)
+            if self.device.type == "cuda" and not read:
+                host = torch.empty(len(batch), dtype=torch.int64, pin_memory=True)
+                host.copy_(res.sampled, non_blocking=True)
+                res.copied = (host, torch.cuda.Event())
+                res.copied[1].record()
         if then:  # host work while the device runs this step: its copies queue behind it
             self.plan_ahead(then, in_flight=True)
-        tokens = out.logits.argmax(-1).tolist() if sample else None
-        return StepOutput(out.logits, out.hidden, tokens, before)
+        if sample and read:
+            res.read()
+        return res

@@ -7,6 +7,12 @@ carried out here (control messages after a control-plane latency, writes as netw
 timers as clock calls). A decode node runs identical decode passes between batch changes as
 one event (`_decode_run`), so an hour of cluster traffic costs a few events per request, not
 one per token.
+
+With `hw.latency.chain` a decode or colocated node chains passes as the hw servers do: where
+its role knows the pass after the one starting (`continuation`: nothing waits to join), that
+pass is launched behind it and runs without the host time between passes (the host did it
+while the device ran the pass before); an event during a pass is handled after the pass
+already chained behind it.
 """
 
 from __future__ import annotations
@@ -124,6 +130,9 @@ class Node(Generic[R]):
         self.in_pass = False  # a pass runs: events wait in the inbox for its end
         self.chunk_end = -math.inf  # when its last pass with a prompt chunk ended
         self._inbox: list[Callable[[], None]] = []
+        self.inbox_s = math.inf  # when the first event in the inbox came (inf: it is empty)
+        self.chain = False  # hw.latency.chain (decode and colocated nodes)
+        self.chained: Batch | None = None  # the pass launched behind the one that ran last
 
     # -- events
     def deliver(self, event: Callable[[], None]) -> None:
@@ -135,6 +144,8 @@ class Node(Generic[R]):
         if self.env._now < self.stopped_until:
             self._held.append(event)
         elif self.in_pass:
+            if not self._inbox:
+                self.inbox_s = self.env._now
             self._inbox.append(event)
             self.wake()
         else:
@@ -188,36 +199,53 @@ class Node(Generic[R]):
             if self.env._now < self.stopped_until:
                 yield from self.frozen()
                 continue
-            batch = self.role.next_batch()
-            if not batch.chunks and not batch.decodes:  # batch.empty, inlined
-                yield self._wake  # until the node's wake()
-                continue
+            batch, chained = self.chained, self.chained is not None
+            self.chained = None
+            if batch is None:
+                batch = self.role.next_batch()
+                if not batch.chunks and not batch.decodes:  # batch.empty, inlined
+                    yield self._wake  # until the node's wake()
+                    continue
             self.in_pass = True
-            yield from self.run_pass(batch)
+            yield from self.run_pass(batch, chained)
             self.in_pass = False
             if self._inbox:
                 inbox, self._inbox = self._inbox, []
+                self.inbox_s = math.inf
                 for event in inbox:
                     self.deliver(event)
 
-    def busy(self, seconds: float, prefill: bool, decodes: int) -> Proc:
+    def busy(self, seconds: float, prefill: bool, decodes: int, chained: bool = False) -> Proc:
         """One pass of `seconds` (`prefill`: with a prompt chunk; `decodes` decode sequences):
         that long, or on a GPU shared with other nodes, as long as its share there makes it.
         Under the round robin and the turns rule only its device time takes turns: its host
         time runs beside the other nodes' passes, `cost.profile_host_before` of it first and
-        the rest after (disagg/sim/gpu.py)."""
+        the rest after (disagg/sim/gpu.py). A `chained` pass's host time ran during the pass
+        before: only what of it outlasts the device time is left (`_chained_s`)."""
         gpu = self.sim.gpu
+        host = min(seconds, self.cost.host_s(prefill, decodes))
+        if chained:
+            seconds, host = _chained_s(seconds, host), max(0.0, 2 * host - seconds)
         if gpu is None:
             yield seconds
             return
         if isinstance(gpu, SharedGPU) and gpu.switch_s is None:
             yield from gpu.run(seconds, not prefill)
             return
-        host = min(seconds, self.cost.host_s(prefill, decodes))
         yield from gpu.run(seconds - host, not prefill, host, decodes)
 
-    def run_pass(self, batch: Batch) -> Proc:
+    def run_pass(self, batch: Batch, chained: bool = False) -> Proc:
+        """Run the pass of `batch` (`chained`: launched behind the one before, see `chain`)."""
         raise NotImplementedError
+
+    def chain_after(self, batch: Batch, ahead: bool, last_start: float) -> None:
+        """After the passes of `batch` (reported done), the last of them begun at `last_start`:
+        where the role knew the pass after each when it began (`ahead`: nothing waited to join
+        then) and no event had come before the last began, the pass after it (the role's next
+        batch, now its continuation) was launched behind it (`chained`)."""
+        if ahead and last_start < self.inbox_s:
+            nxt = self.role.next_batch()
+            self.chained = None if nxt.empty else nxt
 
     def shape(self, batch: Batch) -> StepShape:
         """The cost model's view of `batch`."""
@@ -229,26 +257,50 @@ class Node(Generic[R]):
         )
 
     def record(
-        self, kind: str, t0: float, steps: int, batch: Batch, pairs: float, context: float
+        self,
+        kind: str,
+        t0: float,
+        steps: int,
+        batch: Batch,
+        pairs: float,
+        context: float,
+        chained: int = 0,
     ) -> None:
         """One steps-table row for `steps` passes of `batch` that began at `t0`, the first of
-        them of `pairs` and `context` (StepShape's): their device time is what the cost model's
-        host time per pass leaves."""
+        them of `pairs` and `context` (StepShape's), `chained` of them chained: their device
+        time is what the cost model's host time per pass leaves (a chained pass's, none)."""
         took = self.env._now - t0
-        host = steps * self.cost.host_s(bool(batch.chunks), len(batch.decodes))
-        qo = self.cost.decode_qo
-        self.sim.rec.batch(self.name, kind, t0, took, batch, steps, qo, took - host, pairs, context)
+        host = (steps - chained) * self.cost.host_s(bool(batch.chunks), len(batch.decodes))
+        self.sim.rec.batch(
+            self.name,
+            kind,
+            t0,
+            took,
+            batch,
+            steps,
+            self.cost.decode_qo,
+            took - host,
+            pairs,
+            context,
+            chained=chained,
+        )
 
     def _decode_run(
-        self, decodes: list[Request], tokens_per_step: float, interruptible: Callable[[], bool]
-    ) -> Generator[Any, Any, tuple[int, float, float]]:
+        self,
+        decodes: list[Request],
+        tokens_per_step: float,
+        interruptible: Callable[[], bool],
+        chained: bool = False,
+        ahead: bool = False,
+    ) -> Generator[Any, Any, tuple[int, float, float, float]]:
         """Run identical decode passes until one request finishes or the node is woken (then
-        up to the end of the pass in flight), one pass only on a GPU shared with other nodes
-        (its share there changes as theirs begin and end) or while the cost model lengthens a
-        pass for a chunk pass not long before (`fades_s`); returns the passes run, when the
-        first ended and its context.
-        Step time is a + b * context, and context grows by len(decodes) * tokens_per_step per
-        pass."""
+        up to the end of the pass in flight, and with `ahead` of the pass chained behind it),
+        one pass only on a GPU shared with other nodes (its share there changes as theirs begin
+        and end) or while the cost model lengthens a pass for a chunk pass not long before
+        (`fades_s`); returns the passes run, when the first ended, its context, and when the
+        last began. The first pass is `chained` or not; with `ahead` every later one is.
+        Step time is a + b * context (a chained pass's: less its host time), and context grows
+        by len(decodes) * tokens_per_step per pass."""
         env = self.env
         since = env._now - self.chunk_end
         a, b = self.cost.decode_line(len(decodes), since)
@@ -256,12 +308,17 @@ class Node(Generic[R]):
         # the batch: this runs for every batch change)
         generated = list(map(_generated, decodes))
         k0 = float(sum(map(_prompt_tokens, decodes)) + sum(map(int, generated)))
-        if self.sim.gpu is not None or since < self.cost.fades_s:
-            yield from self.busy(a + b * k0, False, len(decodes))
-            return 1, env._now, k0
+        host = self.cost.host_s(False, len(decodes)) if chained or ahead else 0.0
+        if self.sim.gpu is not None or since < self.cost.fades_s or a < 2 * host:
+            t0 = env._now
+            yield from self.busy(a + b * k0, False, len(decodes), chained)
+            return 1, env._now, k0, t0
+        first = a - host if chained else a
+        a = a - host if ahead else a
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         grow = len(decodes) * tokens_per_step
-        elapsed = partial(_run_s, a, b, k0, grow)  # k -> the first k passes' time (no cells)
+        # k -> the first k passes' time (no cells)
+        elapsed = partial(_run_s, a, b, k0, grow, first - a)
         n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
@@ -274,17 +331,24 @@ class Node(Generic[R]):
                 guess = (math.sqrt(qb * qb + 4 * qa * e) - qb) / (2 * qa)
             else:
                 guess = e / qb if qb > 0 else 0.0
-            steps = min(n, _passes_done(elapsed, e, n, guess) + 1)
+            steps = min(n, _passes_done(elapsed, e, n, guess) + (2 if ahead else 1))
             yield t0 + elapsed(steps) - now
         elif now < t0 + all_s:
             yield t0 + all_s - now
-        return steps, t0 + (a + b * k0), k0  # elapsed(1)
+        return steps, t0 + elapsed(1), k0, t0 + elapsed(steps - 1)
 
 
-def _run_s(a: float, b: float, k0: float, grow: float, k: int) -> float:
+def _run_s(a: float, b: float, k0: float, grow: float, first: float, k: int) -> float:
     """Seconds of k passes of a + b * context, the context k0 at the first, growing by `grow`
-    a pass."""
-    return k * a + b * (k * k0 + grow * k * (k - 1) / 2)
+    a pass, the first `first` longer."""
+    return k * a + b * (k * k0 + grow * k * (k - 1) / 2) + (first if k else 0.0)
+
+
+def _chained_s(seconds: float, host: float) -> float:
+    """A chained pass's time, of `seconds` with `host` of host time before: the host's work ran
+    while the pass before did, so the pass takes its device time, or the host's where that is
+    longer (the device waits for the launch)."""
+    return max(seconds - host, host)
 
 
 _generated, _prompt_tokens = attrgetter("generated"), attrgetter("prompt_tokens")
@@ -351,7 +415,7 @@ class PrefillNode(Node[PrefillRole]):
     def prefilled(self, req: Request) -> None:
         pass  # stamped on the run's own request object
 
-    def run_pass(self, batch: Batch) -> Proc:
+    def run_pass(self, batch: Batch, chained: bool = False) -> Proc:
         t0, gpu = self.env._now, self.sim.gpu
         shape = self.shape(batch)
         step_s = self.cost.step_time(shape)
@@ -376,6 +440,7 @@ class DecodeNode(Node[DecodeRole]):
         self.tps = sim.exp.spec.accepted_tokens_per_step
         t = sim.exp.transfer
         self.role = DecodeRole(idx, self, self.pool, group, t, sim.transfers.expected, self.tps)
+        self.chain = sim.exp.hw.latency.chain
         self.env.start(self.loop())
 
     def set_timer(self, at_s: float) -> None:
@@ -387,15 +452,18 @@ class DecodeNode(Node[DecodeRole]):
     def ready(self, req: Request) -> None:
         self.sim.rec.landed(req.id, self.env._now)
 
-    def run_pass(self, batch: Batch) -> Proc:
+    def run_pass(self, batch: Batch, chained: bool = False) -> Proc:
         t0 = self.env._now
-        steps, first_s, context = yield from self._decode_run(batch.decodes, self.tps, _always)
+        ahead = self.chain and self.role.continuation(batch) is not None
+        run = self._decode_run(batch.decodes, self.tps, _always, chained, ahead)
+        steps, first_s, context, last_s = yield from run
         if self.env._now < self.stopped_until:
             yield from self.frozen()
         if self.dead:
             return
         self.role.pass_done(batch, steps, first_s)
-        self.record("decode", t0, steps, batch, 0.0, context)
+        self.record("decode", t0, steps, batch, 0.0, context, chained + (steps - 1) * ahead)
+        self.chain_after(batch, ahead, last_s)
 
 
 class ColocatedNode(Node[ColocatedRole]):
@@ -406,16 +474,19 @@ class ColocatedNode(Node[ColocatedRole]):
         self.tps = sim.exp.spec.accepted_tokens_per_step
         decode_qo = 1 + sim.exp.spec.draft_tokens
         self.role = ColocatedRole(idx, self, self.pool, group, self.tps, decode_qo)
+        self.chain = sim.exp.hw.latency.chain
         self.env.start(self.loop())
 
-    def run_pass(self, batch: Batch) -> Proc:
+    def run_pass(self, batch: Batch, chained: bool = False) -> Proc:
         t0 = self.env._now
+        ahead = self.chain and self.role.continuation(batch) is not None
         if batch.decode_only:
             admitting = lambda: self.role.admitting  # noqa: E731
-            steps, _, context = yield from self._decode_run(batch.decodes, self.tps, admitting)
+            run = self._decode_run(batch.decodes, self.tps, admitting, chained, ahead)
+            steps, _, context, last_s = yield from run
             pairs = 0.0
-        else:
-            steps, shape = 1, self.shape(batch)
+        else:  # a pass with a chunk has no continuation: it is neither chained nor ahead
+            steps, shape, last_s = 1, self.shape(batch), t0
             pairs, context = shape.prefill_attn_pairs, shape.decode_context
             yield from self.busy(self.cost.step_time(shape), True, len(batch.decodes))
             self.chunk_end = self.env._now
@@ -424,7 +495,9 @@ class ColocatedNode(Node[ColocatedRole]):
         if self.dead:
             return
         self.role.pass_done(batch, steps)
-        self.record("decode" if batch.decode_only else "mixed", t0, steps, batch, pairs, context)
+        kind = "decode" if batch.decode_only else "mixed"
+        self.record(kind, t0, steps, batch, pairs, context, chained + (steps - 1) * ahead)
+        self.chain_after(batch, ahead, last_s)
 
 
 def _pick(router: Router, nodes: Sequence[Node]) -> int | None:
