@@ -123,6 +123,7 @@ ENVIRONMENT: dict[str, str] = {
     "DISAGG_SPIN": "hw.latency.spin",
     "DISAGG_PLAN_AHEAD": "hw.latency.plan_ahead",
     "DISAGG_OVERLAP": "hw.latency.overlap",
+    "DISAGG_CHAIN": "hw.latency.chain",
     "DISAGG_META_IN_STREAM": "hw.latency.meta_in_stream",
     "DISAGG_FUSED_OPS": "hw.latency.fused_ops",
     "DISAGG_MOE": "hw.moe",

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
+import pandas as pd
 import pytest
 
 from disagg.config import build_experiment
@@ -530,3 +531,53 @@ def test_a_chained_pass_runs_without_its_host_time_and_a_newcomer_waits_one_pass
         tpot.append(req.tpot_s[0])
     # request 0's 9 tokens after its first: 6 of their passes 1 ms shorter
     assert tpot[0] - tpot[1] == pytest.approx(6e-3 / 9, abs=1e-12)
+
+
+def disagg_chain(profile: Path, chain: bool, shared: bool) -> Sim:
+    """A finished 1P:1D Sim of 40 requests at 30 req/s on `profile`, chaining or not, its two
+    nodes on one shared GPU or not."""
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {
+            "mode": "disagg",
+            "shared_gpu": shared,
+            "prefill": {"nodes": 1, "tp": 1},
+            "decode": {"nodes": 1, "tp": 1, "max_batch": 8},
+        },
+        "cost": {"source": f"profile:{profile}"},
+        "workload": {
+            "rate_per_s": 30,
+            "num_requests": 40,
+            "prompt_tokens": {"dist": "uniform", "low": 200, "high": 900},
+            "output_tokens": {"dist": "uniform", "low": 5, "high": 40},
+        },
+        "hw": {"latency": {"chain": chain}},
+    }
+    sim = Sim(build_experiment(data))
+    sim.run()
+    return sim
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_chaining_decode_node_loses_nothing_and_decodes_faster(
+    tmp_path: Path, shared: bool
+) -> None:
+    """Chained, a decode node finishes every request, frees every page and runs a pass for
+    every token as unchained; some of its passes are chained, the same seed gives the same
+    tables, and TPOT p50 is shorter (the profile's decode passes carry 0.25 ms of host time)."""
+    profile = table(tmp_path)
+    runs = {c: disagg_chain(profile, c, shared) for c in (False, True)}
+    again = disagg_chain(profile, True, shared)
+    for sim in (*runs.values(), again):
+        req = requests_table(sim.requests.values())
+        assert len(req) == 40 and (req.status == "finished").all()
+        assert all(n.pool.used_pages == 0 for n in (*sim.prefills, *sim.decodes))
+        steps = steps_table(sim.rec)
+        decode = steps[steps.node == "decode0"]
+        assert (decode.steps * decode.decode_seqs).sum() == req.output_tokens.sum()
+    steps = steps_table(runs[True].rec)
+    assert 0 < steps[steps.node == "decode0"].chained.sum() < steps.steps.sum()
+    assert steps_table(runs[False].rec).chained.sum() == 0
+    pd.testing.assert_frame_equal(steps, steps_table(again.rec))
+    tpot = {c: requests_table(s.requests.values()).tpot_s.median() for c, s in runs.items()}
+    assert tpot[True] < tpot[False]
