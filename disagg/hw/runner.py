@@ -508,7 +508,9 @@ class Runner:
                         x, self.cache, self.attn, self.on_layer, group=group
                     )
         self.steps += 1
-        res = StepOutput(out.logits, out.hidden, None, before, None, self._launched, self._timed)
+        res = StepOutput(
+            out.logits, out.hidden, None, before, launched=self._launched, timed=self._timed
+        )
         if sample:
             res.sampled = out.logits.argmax(-1)
             if self.device.type == "cuda" and not read:
