@@ -404,20 +404,17 @@ class Server:
         kind: str,
         start: float,
         batch: Batch,
-        res: StepOutput | None = None,
+        res: StepOutput,
         chained: bool = False,
         end: float | None = None,
     ) -> None:
         """The steps row of the pass of `batch` begun at `start` (`now`), just run (its output
-        `res`; None: the runner's last step), to `end` (default: now): its device time, and
-        where its host time went (`Recorder.batch`). A `chained` pass was launched while the
-        pass before it ran (hw.latency.chain): its row begins when that one was read, and its
-        host time before and during its launch was spent before then (NaN)."""
+        `res`), to `end` (default: now): its device time, and where its host time went
+        (`Recorder.batch`). A `chained` pass was launched while the pass before it ran
+        (hw.latency.chain): its row begins when that one was read, and its host time before
+        and during its launch was spent before then (NaN)."""
         took = (self.now() if end is None else end) - start
-        if res is None:
-            (began, launched), device_s = self.runner.launched(), self.runner.device_s()
-        else:
-            (began, launched), device_s = res.launched, res.device_s()
+        began, launched = res.launched
         before, launch = (
             (math.nan, math.nan) if chained else (began - self.t0 - start, launched - began)
         )
@@ -427,7 +424,7 @@ class Server:
             start,
             took,
             batch,
-            device_s=device_s,
+            device_s=res.device_s(),
             host_before_s=before,
             launch_s=launch,
             chained=int(chained),

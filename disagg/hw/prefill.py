@@ -228,7 +228,7 @@ class PrefillServer(Server):
             for r in prefilled:
                 self.transfer_row(r.id)[5] = end_s
         self.free_meta_rows()
-        self.record("prefill", start, batch)
+        self.record("prefill", start, batch, out)
         return True
 
     def follow_layers(self, before: int) -> None:

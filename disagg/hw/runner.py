@@ -157,11 +157,16 @@ class StepOutput:
     def device_s(self) -> float:
         """Seconds from the device reaching this step's forward to its end (see
         `Runner.device_s`); NaN on the CPU."""
-        if self.timed is None:
-            return math.nan
-        start, end = self.timed
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return _elapsed_s(self.timed)
+
+
+def _elapsed_s(timed: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> float:
+    """Seconds between a step's two events, once the second is reached; NaN without them."""
+    if timed is None:
+        return math.nan
+    start, end = timed
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _fed(input_ids: torch.Tensor, step: StepOutput, rows: Sequence[int]) -> None:
@@ -391,11 +396,7 @@ class Runner:
         """Seconds from the device reaching the last step's forward to its end (gaps where it
         waited for the host's launches count; waits for the step to end). NaN on the CPU,
         where a step's time is all host time."""
-        if self._timed is None:
-            return math.nan
-        start, end = self._timed
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return _elapsed_s(self._timed)
 
     def step(
         self,

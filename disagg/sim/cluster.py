@@ -223,7 +223,8 @@ class Node(Generic[R]):
         the rest after (disagg/sim/gpu.py). A `chained` pass's host time ran during the pass
         before: only what of it outlasts the device time is left (`_chained_s`)."""
         gpu = self.sim.gpu
-        host = min(seconds, self.cost.host_s(prefill, decodes))
+        needed = chained or gpu is not None  # alone and not chained, the host time is in it
+        host = min(seconds, self.cost.host_s(prefill, decodes)) if needed else 0.0
         if chained:
             seconds, host = _chained_s(seconds, host), max(0.0, 2 * host - seconds)
         if gpu is None:
