@@ -313,6 +313,11 @@ class CostConfig(_Frozen):
     # that comes before its device time, the rest after (`disagg validate` measures it where
     # the hw runs say when each forward was launched)
     profile_host_before: float = Field(default=1.0, ge=0, le=1)
+    # with a profile: a chained decode pass's time beyond its device time (hw.latency.chain:
+    # the GPU's work outside the passes' device events, sampling and copies), fixed plus per
+    # sequence (`disagg validate` measures them on the chained passes of a serving run)
+    profile_chain_s: float = Field(default=0.0, ge=0)
+    profile_chain_per_seq_s: float = Field(default=0.0, ge=0)
     # with a profile: (chunk tokens, s) points, the device time a serving run's passes with a
     # prompt chunk took beyond the profile's cost of them (`disagg validate` measures them)
     profile_chunk_offsets: tuple[tuple[float, float], ...] = ()

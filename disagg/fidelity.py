@@ -334,16 +334,23 @@ HOST_FIT_FIELDS = {  # a `[cost]` host field: its column in fidelity.md
     "profile_host_per_seq_s": "per sequence",
     "profile_host_chunk_s": "pass with a chunk",
 }
+CHAIN_FIT_FIELDS = {  # and those of chained passes (hw.latency.chain), where a fit has them
+    "profile_chain_s": "chained pass",
+    "profile_chain_per_seq_s": "chained, per sequence",
+}
 
 
 def host_fits_markdown(fits: Mapping[str, Mapping[str, float]]) -> list[str]:
     """A table of the host time per pass (ms) that each of `fits` (calibration or run: its
     `[cost]` host fields) came to: a decode pass's fixed part, the part per sequence and a
-    pass with a chunk's fixed part."""
-    head = " | ".join(HOST_FIT_FIELDS.values())
-    lines = [f"| host time per pass, ms | {head} |", "|---|" + "---:|" * len(HOST_FIT_FIELDS)]
+    pass with a chunk's fixed part; where a fit has them, a chained pass's time beyond its
+    device time, fixed and per sequence."""
+    chained = any(k in fit for fit in fits.values() for k in CHAIN_FIT_FIELDS)
+    fields = HOST_FIT_FIELDS | (CHAIN_FIT_FIELDS if chained else {})
+    head = " | ".join(fields.values())
+    lines = [f"| host time per pass, ms | {head} |", "|---|" + "---:|" * len(fields)]
     for name, fit in fits.items():
-        cells = " | ".join(f"{fit.get(k, math.nan) * 1e3:.3g}" for k in HOST_FIT_FIELDS)
+        cells = " | ".join(f"{fit.get(k, math.nan) * 1e3:.3g}" for k in fields)
         lines.append(f"| {name} | {cells} |")
     return lines
 

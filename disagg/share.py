@@ -41,11 +41,18 @@ PREFILL_BOUNDS = (0.01, 1.0)
 Line = Callable[[np.ndarray], np.ndarray]
 
 
-def _line(x: np.ndarray, per_pass: np.ndarray) -> Line:
-    """Least squares of `per_pass` over `x`; a constant where passes do not lengthen with x."""
-    slope, fixed = np.polyfit(x, per_pass, 1) if np.ptp(x) > 0 else (0.0, per_pass.mean())
+def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The least-squares line of `y` over `x`, as (at 0, slope); where y does not grow with
+    x, its median, flat (its mean where x does not vary)."""
+    slope, fixed = np.polyfit(x, y, 1) if np.ptp(x) > 0 else (0.0, y.mean())
     if slope < 0:
-        slope, fixed = 0.0, float(np.median(per_pass))
+        slope, fixed = 0.0, np.median(y)
+    return float(fixed), float(slope)
+
+
+def _line(x: np.ndarray, per_pass: np.ndarray) -> Line:
+    """`fit_line` of `per_pass` over `x`, as a function of x."""
+    fixed, slope = fit_line(x, per_pass)
     return lambda size: fixed + slope * size
 
 

@@ -78,6 +78,7 @@ from disagg.share import (
     decode_scale_at_shape,
     decode_share_shape,
     extra_shape,
+    fit_line,
     overlap_segments,
     shares,
     shares_at_full_pace,
@@ -328,20 +329,22 @@ def calibration_run(exp: Experiment, seed: int, rate: float) -> Experiment:
     )
 
 
-def busy_passes(steps: pd.DataFrame, alone: bool = False) -> pd.DataFrame:
+def busy_passes(steps: pd.DataFrame, alone: bool = False, chained: bool = False) -> pd.DataFrame:
     """`steps`' passes with device times that their node's loop followed at once, each with
-    its loop time (`loop_s`); not the chained ones (hw.latency.chain), whose host time ran
-    during the pass before. With `alone`, only those that met no pass of the other kind on
-    another node: on a GPU that nodes share, a pass beside another's waits for the GPU
-    outside its device events, which its loop time would count as the host's."""
+    its loop time (`loop_s`): those launched after the pass before was read, or with
+    `chained` those launched behind it (hw.latency.chain), whose host time ran during it and
+    whose loop time is what the GPU and the host do between two chained passes. With `alone`,
+    only those that met no pass of the other kind on another node: on a GPU that nodes share,
+    a pass beside another's waits for the GPU outside its device events, which its loop time
+    would count as the host's."""
     if "device_s" not in steps:
         return steps.iloc[:0].assign(loop_s=0.0)
     busy = steps.assign(loop_s=loop_s(steps, waited=math.nan))
-    if "chained" in steps:
-        busy.loc[steps.chained > 0, "loop_s"] = math.nan
+    launched = steps.chained > 0 if "chained" in steps else pd.Series(False, index=steps.index)
+    busy = busy[launched == chained]
     if alone:
         beside = [*overlap_segments(steps, decode=True), *overlap_segments(steps, decode=False)]
-        busy = busy.drop(index=steps.index[beside])
+        busy = busy.drop(index=busy.index.intersection(steps.index[beside]))
     return busy.dropna(subset=["loop_s"])
 
 
@@ -357,9 +360,12 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, A
     own fixed part, the median of its loop time less the per-sequence part
     (`profile_host_chunk_s`); and where the runs say when each forward was launched, the median
     part of a pass's loop time before it (`host_before_s`: `profile_host_before`). Without
-    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`). With
-    `alone`, over the passes that met no other node's (`busy_passes`), and without a chunk
-    pass among them, no `profile_host_chunk_s`."""
+    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`). The
+    chained decode passes (hw.latency.chain) are fitted apart, their loop time a line over
+    their batch (`profile_chain_s`, `profile_chain_per_seq_s`): what the GPU and the host do
+    between two chained passes, outside the passes' device events. With `alone`, over the
+    passes that met no other node's (`busy_passes`), and without a chunk pass among them, no
+    `profile_host_chunk_s`."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
@@ -368,16 +374,14 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, A
     if decode.sum() < 2:  # no device times (the CPU), or too few passes to fit
         return {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
     loop = timed.loop_s
-    seqs, dloop = timed.batch_size[decode].to_numpy(float), loop[decode].to_numpy(float)
-    per_seq, fixed = np.polyfit(seqs, dloop, 1) if np.ptp(seqs) > 0 else (0.0, dloop.mean())
-    if per_seq < 0:  # no growth with the batch: a constant
-        per_seq, fixed = 0.0, float(np.median(dloop))
+    seqs = timed.batch_size.to_numpy(float)
+    fixed, per_seq = fit_line(seqs[decode.to_numpy()], loop[decode].to_numpy(float))
     chunk = loop[~decode] - per_seq * timed.batch_size[~decode]
     costs: dict[str, Any] = {
         "profile_pass_overhead_s": 0.0,  # in the loop time
-        "profile_host_s": max(0.0, float(fixed)),
-        "profile_host_chunk_s": max(0.0, float(chunk.median())) if len(chunk) else fixed,
-        "profile_host_per_seq_s": float(per_seq),
+        "profile_host_s": max(0.0, fixed),
+        "profile_host_chunk_s": max(0.0, float(chunk.median())) if len(chunk) else max(0.0, fixed),
+        "profile_host_per_seq_s": per_seq,
     }
     if alone and not len(chunk):
         del costs["profile_host_chunk_s"]
@@ -385,6 +389,11 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, A
         split = (timed.host_before_s / loop)[timed.host_before_s.notna() & (loop > 0)]
         if len(split):
             costs["profile_host_before"] = float(split.clip(0.0, 1.0).median())
+    chained = pd.concat([busy_passes(steps, alone, chained=True) for steps in runs])
+    chained = chained[chained.prefill_tokens == 0]
+    if len(chained) >= 2:  # the GPU's and the host's work between two chained passes
+        at, slope = fit_line(chained.batch_size.to_numpy(float), chained.loop_s.to_numpy(float))
+        costs["profile_chain_s"], costs["profile_chain_per_seq_s"] = max(0.0, at), slope
     return costs
 
 
@@ -394,6 +403,8 @@ HOST_KEYS = (
     "profile_host_chunk_s",
     "profile_host_per_seq_s",
     "profile_host_before",
+    "profile_chain_s",
+    "profile_chain_per_seq_s",
 )
 
 

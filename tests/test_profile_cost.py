@@ -486,11 +486,12 @@ def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path:
     assert by_role == {"colocated": pytest.approx(1.15), "decode": pytest.approx(1.15)}
 
 
-def chain_run(tmp_path: Path, chain: bool) -> Sim:
+def chain_run(tmp_path: Path, chain: bool, chain_cost: tuple[float, float] = (0.0, 0.0)) -> Sim:
     """A finished colocated Sim on a profile whose every pass has 1 ms of host time: decode
     passes take 10 ms on the device at any context, a 600-token prompt 1.171875 ms (between
     512 and 1,024 tokens: 1 and 2 ms). Request 0 (600 + 10 tokens) comes at 0, request 1 (600
-    + 3) at 40 ms, while request 0 decodes alone."""
+    + 3) at 40 ms, while request 0 decodes alone. `chain_cost`: a chained pass's time beyond
+    its device time, fixed and per sequence (cost.profile_chain_s, _per_seq_s)."""
     rows = [f"prefill,{n},1,0,{n / 512e3},0.001" for n in (512, 1024)]
     rows += [f"decode,{b},{b},{c},0.01,0.001" for b in (1, 8) for c in (1000, 3000)]
     profile = tmp_path / "flat.csv"
@@ -501,7 +502,11 @@ def chain_run(tmp_path: Path, chain: bool) -> Sim:
     data = {
         "model": {"name": "tiny-gqa"},
         "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
-        "cost": {"source": f"profile:{profile}"},
+        "cost": {
+            "source": f"profile:{profile}",
+            "profile_chain_s": chain_cost[0],
+            "profile_chain_per_seq_s": chain_cost[1],
+        },
         "workload": {"trace": str(trace)},
         "hw": {"latency": {"chain": chain}},
     }
@@ -531,6 +536,29 @@ def test_a_chained_pass_runs_without_its_host_time_and_a_newcomer_waits_one_pass
         tpot.append(req.tpot_s[0])
     # request 0's 9 tokens after its first: 6 of their passes 1 ms shorter
     assert tpot[0] - tpot[1] == pytest.approx(6e-3 / 9, abs=1e-12)
+
+
+def test_a_chained_pass_takes_the_chain_cost_beyond_its_device_time(tmp_path: Path) -> None:
+    """`chain_run` with a chained pass costing 0.5 ms + 0.1 ms a sequence beyond its device
+    time: request 0's chained passes alone take 10.6 ms, so request 1 comes during the fourth
+    (34.37-44.97 ms after request 0's prefill start), which has launched the fifth, and its
+    prompt starts at 2.171875 + 11 + 4 x 10.6 ms. Request 0's TPOT grows by what its six
+    chained passes took more, five alone (0.6 ms) and one beside request 1 (0.7 ms), over its
+    9 tokens; the device time of the rows of chained passes is the profile's 10 ms a pass."""
+    plain, costly = chain_run(tmp_path, True), chain_run(tmp_path, True, (5e-4, 1e-4))
+    req = requests_table(costly.requests.values()).set_index("request_id")
+    joined = req.prefill_start_s[1] - req.prefill_start_s[0]
+    assert joined == pytest.approx((2.171875 + 11 + 4 * 10.6) / 1e3, abs=1e-12)
+    steps = steps_table(costly.rec)
+    chained = steps[steps.chained > 0]  # rows of passes run alike: 5, 2 and 1 of them
+    assert chained[["steps", "chained", "decode_seqs"]].values.tolist() == [
+        [5, 4, 1],
+        [2, 1, 2],
+        [1, 1, 1],
+    ]
+    assert chained.device_s.to_list() == pytest.approx([0.05, 0.02, 0.01], abs=1e-12)
+    base = requests_table(plain.requests.values()).tpot_s[0]
+    assert req.tpot_s[0] - base == pytest.approx((5 * 0.6 + 0.7) / 9e3, abs=1e-12)
 
 
 def disagg_chain(profile: Path, chain: bool, shared: bool) -> Sim:

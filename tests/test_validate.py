@@ -227,6 +227,12 @@ def test_each_runs_own_host_time_replay_stands_beside_the_calibrated_one() -> No
     assert said in text
     assert "| calibration | 0.6 | 0.065 | nan |" in text  # ms; no chunk part fitted
     assert "| a | 0.78 | 0.091 | nan |" in text
+    assert "chained pass" not in text
+    # a fit of chained passes (hw.latency.chain) adds their two columns to every row
+    fits["a"] |= {"profile_chain_s": 4.5e-5, "profile_chain_per_seq_s": 1.1e-6}
+    text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0}, fits)
+    assert "| calibration | 0.6 | 0.065 | nan | nan | nan |" in text
+    assert "| a | 0.78 | 0.091 | nan | 0.045 | 0.0011 |" in text
 
 
 def test_a_cell_run_more_than_once_is_judged_on_its_median_and_its_spread_is_told() -> None:
@@ -676,12 +682,43 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     timed = steps.assign(host_before_s=[x * t for x, t in zip(share, loop, strict=True)])
     assert loop_costs([timed])["profile_host_before"] == pytest.approx(0.5)
     assert "profile_host_before" not in loop_costs([timed.assign(host_before_s=math.nan)])
-    # chained passes (hw.latency.chain) are not fitted: their host time ran before them, and
-    # a decode pass of 5 ms more loop time would move the line
+    # chained passes (hw.latency.chain) are not fitted with the rest: their host time ran
+    # before them, and a decode pass of 5 ms more loop time would move the line (one chained
+    # pass is too few for a line of their own)
     chained = second.assign(chained=[0, 1, 0])
     chained.loc[5, "device_s"] = device[5] - 5e-3
     assert loop_costs([first.assign(chained=0), chained]) == fitted
     assert loop_costs([first, chained.assign(chained=0)]) != fitted
+
+
+def test_loop_costs_fit_the_chained_passes_apart_by_hand() -> None:
+    """Three decode passes launched after the pass before was read, 1 ms of host time + 0.1
+    ms a sequence each, then five chained ones (hw.latency.chain), back to back, of 0.05 ms +
+    0.001 ms a sequence beyond their device time (the last, with no pass after it, is not
+    fitted): a line each."""
+    batch = [1, 2, 3, 1, 2, 4, 8, 8]
+    chained = [0, 0, 0, 1, 1, 1, 1, 1]
+    pairs = zip(batch, chained, strict=True)
+    loop = [(5e-5 + 1e-6 * b) if c else (1e-3 + 1e-4 * b) for b, c in pairs]
+    device = [0.01 + 1e-3 * b for b in batch]
+    duration = [d + x for d, x in zip(device, loop, strict=True)]
+    steps = pd.DataFrame(
+        {
+            "node": "decode0",
+            "start_s": np.concatenate([[0.0], np.cumsum(duration)[:-1]]),
+            "duration_s": duration,
+            "device_s": device,
+            "batch_size": batch,
+            "prefill_tokens": 0,
+            "chained": chained,
+        }
+    )
+    costs = loop_costs([steps])
+    assert costs["profile_host_s"] == pytest.approx(1e-3)
+    assert costs["profile_host_per_seq_s"] == pytest.approx(1e-4)
+    assert costs["profile_chain_s"] == pytest.approx(5e-5)
+    assert costs["profile_chain_per_seq_s"] == pytest.approx(1e-6)
+    assert "profile_chain_s" not in loop_costs([steps.assign(chained=0)])
 
 
 def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(

@@ -221,12 +221,14 @@ class Node(Generic[R]):
         Under the round robin and the turns rule only its device time takes turns: its host
         time runs beside the other nodes' passes, `cost.profile_host_before` of it first and
         the rest after (disagg/sim/gpu.py). A `chained` pass's host time ran during the pass
-        before: only what of it outlasts the device time is left (`_chained_s`)."""
+        before: only what of it outlasts the device time is left (`_chained_s`), and it takes
+        its cost model's `chain_s` more."""
         gpu = self.sim.gpu
         needed = chained or gpu is not None  # alone and not chained, the host time is in it
         host = min(seconds, self.cost.host_s(prefill, decodes)) if needed else 0.0
         if chained:
-            seconds, host = _chained_s(seconds, host), max(0.0, 2 * host - seconds)
+            chain = self.cost.chain_s(decodes)
+            seconds, host = _chained_s(seconds, host) + chain, max(0.0, 2 * host - seconds)
         if gpu is None:
             yield seconds
             return
@@ -269,9 +271,11 @@ class Node(Generic[R]):
     ) -> None:
         """One steps-table row for `steps` passes of `batch` that began at `t0`, the first of
         them of `pairs` and `context` (StepShape's), `chained` of them chained: their device
-        time is what the cost model's host time per pass leaves (a chained pass's, none)."""
+        time is what the cost model's host time per pass leaves (a chained pass's: its
+        `chain_s`)."""
         took = self.env._now - t0
         host = (steps - chained) * self.cost.host_s(bool(batch.chunks), len(batch.decodes))
+        host += chained * self.cost.chain_s(len(batch.decodes))
         self.sim.rec.batch(
             self.name,
             kind,
@@ -300,7 +304,8 @@ class Node(Generic[R]):
         and end) or while the cost model lengthens a pass for a chunk pass not long before
         (`fades_s`); returns the passes run, when the first ended, its context, and when the
         last began. The first pass is `chained` or not; with `ahead` every later one is.
-        Step time is a + b * context (a chained pass's: less its host time), and context grows
+        Step time is a + b * context (a chained pass's: less its host time, plus the cost
+        model's `chain_s`), and context grows
         by len(decodes) * tokens_per_step per pass."""
         env = self.env
         since = env._now - self.chunk_end
@@ -310,12 +315,13 @@ class Node(Generic[R]):
         generated = list(map(_generated, decodes))
         k0 = float(sum(map(_prompt_tokens, decodes)) + sum(map(int, generated)))
         host = self.cost.host_s(False, len(decodes)) if chained or ahead else 0.0
+        chain = self.cost.chain_s(len(decodes)) if chained or ahead else 0.0
         if self.sim.gpu is not None or since < self.cost.fades_s or a < 2 * host:
             t0 = env._now
             yield from self.busy(a + b * k0, False, len(decodes), chained)
             return 1, env._now, k0, t0
-        first = a - host if chained else a
-        a = a - host if ahead else a
+        first = a - host + chain if chained else a
+        a = a - host + chain if ahead else a
         least = min(map(sub, map(_output_tokens, decodes), generated))  # decodes: not empty
         grow = len(decodes) * tokens_per_step
         # k -> the first k passes' time (no cells)

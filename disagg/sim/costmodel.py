@@ -217,6 +217,10 @@ class RooflineCost:
         """The host share of a pass's step time: none (the roofline models the device)."""
         return 0.0
 
+    def chain_s(self, decodes: int) -> float:
+        """What a chained pass takes beyond its device time: none (ProfileCost.chain_s)."""
+        return 0.0
+
     fades_s = 0.0  # no decode pass runs longer after a chunk pass (ProfileCost.after_chunk)
 
     def decode_line(self, seqs: int, since_chunk_s: float = math.inf) -> tuple[float, float]:
@@ -269,7 +273,12 @@ class ProfileCost:
     medians: a pass then costs its kind's fixed part + per-sequence x its sequences (decodes,
     plus one for a prompt chunk) of host time, which grows with the batch as a server's
     bookkeeping does. On top of that, `pass_overhead_s` (default 0): a fixed cost per pass for
-    the serving loop's time between passes. `chunk_offsets` ((chunk tokens, s) points, tokens
+    the serving loop's time between passes. `chain` (s, and s per sequence; default none):
+    what a chained decode pass (hw.latency.chain) takes beyond its device time, its host time
+    having run during the pass before: the GPU's work outside the passes' device events (the
+    pass before's sampling and the copy of its tokens out, this pass's inputs), on one H100
+    0.043-0.050 ms + 0.001 ms a sequence for Qwen3-30B-A3B (`disagg validate` measures it).
+    `chunk_offsets` ((chunk tokens, s) points, tokens
     increasing; default none): what a serving run's passes with a prompt chunk took on the
     device beyond this table's cost of them, interpolated over the tokens the chunk is costed at
     (`padded_chunk`) and held beyond the ends, added to every pass with a chunk
@@ -319,6 +328,7 @@ class ProfileCost:
         pieces: Sequence[int] = (),
         after_chunk: Sequence[tuple[float, float]] = (),
         graph_scales: Sequence[tuple[float, float]] = (),
+        chain: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         import pandas as pd
 
@@ -409,6 +419,7 @@ class ProfileCost:
         if run_host is not None and not all(0 <= v < np.inf for v in run_host):
             raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
         self.run_host = run_host
+        self.chain = chain
         self._chunk_xs, self._chunk_ys = _points(
             "chunk_offsets",
             chunk_offsets,
@@ -504,6 +515,12 @@ class ProfileCost:
         else:
             host = self.mixed_host_s if decodes else self.prefill_host_s
         return host + self.pass_overhead_s
+
+    def chain_s(self, decodes: int) -> float:
+        """What a chained pass (hw.latency.chain) of `decodes` decodes takes beyond its device
+        time: its fixed part + per sequence (`chain`)."""
+        fixed, per_seq = self.chain
+        return fixed + per_seq * decodes
 
     def _device_line(self, seqs: int, graph: bool = False) -> tuple[float, float]:
         """(a, b): a decode pass of `seqs` sequences and total context K runs a + b*K on the
@@ -640,6 +657,7 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
             exp.hw.latency.prefill_graphs,
             c.profile_after_chunk,
             graph_scales,
+            (c.profile_chain_s, c.profile_chain_per_seq_s),
         )
     return RooflineCost(
         exp.model.spec,
