@@ -408,15 +408,23 @@ HOST_KEYS = (
 )
 
 
+MIN_OWN_PASSES = 10  # decode passes that a cell's runs need for a host fit of their own
+
+
 def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     """The host time per pass fitted on hw `runs` of one cell themselves (`loop_costs`' host
     fields), for a replay that tells the host time's part of a cell's error from the rest;
-    empty where the passes have no device times (the CPU). Runs whose nodes shared one GPU
-    are fitted on the passes that met no other node's (`busy_passes`)."""
+    empty where the passes have no device times (the CPU), or where fewer than MIN_OWN_PASSES
+    decode passes are fitted (a chained disaggregated run's decode passes are mostly chained
+    or beside a chunk: on one H100, Llama's top load left two a run, one of them its first,
+    and their fit said 21.9 ms). Runs whose nodes shared one GPU are fitted on the passes
+    that met no other node's (`busy_passes`)."""
     shared = any(shares_gpu(run) for run in runs)
-    costs = loop_costs([pd.read_parquet(run / "steps.parquet") for run in runs], alone=shared)
-    if "profile_host_s" not in costs:  # no device times: no host time either
+    steps = [pd.read_parquet(run / "steps.parquet") for run in runs]
+    fitted = pd.concat([busy_passes(table, alone=shared) for table in steps])
+    if (fitted.prefill_tokens == 0).sum() < MIN_OWN_PASSES:  # none on the CPU
         return {}
+    costs = loop_costs(steps, alone=shared)
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
 
 

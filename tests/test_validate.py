@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from disagg import validate
 from disagg.config import load_experiment
 from disagg.errors import ConfigError
 from disagg.fidelity import (
@@ -628,7 +629,9 @@ def test_the_control_hop_is_the_median_of_the_runs_idle_hops(tmp_path: Path) -> 
     assert control_hop([tmp_path / "none"]) is None  # no hops table (an older run)
 
 
-def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: Path) -> None:
+def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode passes: host 1 ms + 0.1 ms per sequence; chunk passes: 3 ms + 0.1 per sequence;
     the gap to the next pass 0.4 ms + 0.01 ms per sequence, but 5 ms once (the loop waited for
     work). Loop time, the host's and the gap's: 1.4 ms + 0.11 ms per sequence a decode pass,
@@ -673,6 +676,8 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(tmp_path: 
     for where, table in zip(dirs, [first, second, cpu], strict=True):
         where.mkdir()
         table.to_parquet(where / "steps.parquet")
+    assert own_host(dirs[:2]) == {}  # three decode passes fitted: too few of their own
+    monkeypatch.setattr(validate, "MIN_OWN_PASSES", 3)
     assert own_host(dirs[:2]) == costs
     assert own_host(dirs[2:]) == {}
     # runs that say when each forward was launched: the median part of the loop time before
@@ -722,7 +727,7 @@ def test_loop_costs_fit_the_chained_passes_apart_by_hand() -> None:
 
 
 def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode server beside a prefill server on one GPU: its passes alone take 1 ms of host
     time + 0.1 ms a sequence; those beside a prefill pass wait 6 ms more for the GPU outside
@@ -751,6 +756,7 @@ def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(
     run = tmp_path / "disagg"
     run.mkdir()
     steps.to_parquet(run / "steps.parquet")
+    monkeypatch.setattr(validate, "MIN_OWN_PASSES", 4)  # the 4 alone with a pass after them
     pooled = own_host([run])  # no experiment.json: not known to share a GPU
     assert pooled["profile_host_s"] > 2e-3
     (run / "experiment.json").write_text(json.dumps({"cluster": {"shared_gpu": True}}))
@@ -761,6 +767,9 @@ def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(
     }
     (run / "experiment.json").write_text(json.dumps({"cluster": {"shared_gpu": False}}))
     assert own_host([run]) == pooled
+    monkeypatch.setattr(validate, "MIN_OWN_PASSES", 5)  # one more than those 4
+    (run / "experiment.json").write_text(json.dumps({"cluster": {"shared_gpu": True}}))
+    assert own_host([run]) == {}
 
 
 def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fits(
