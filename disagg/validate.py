@@ -348,7 +348,7 @@ def busy_passes(steps: pd.DataFrame, alone: bool = False, chained: bool = False)
     return busy.dropna(subset=["loop_s"])
 
 
-def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, Any]:
+def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False, least: int = 2) -> dict[str, Any]:
     """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
     all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop time
     is its wall time less its device time, plus the gap until its node's next pass while the
@@ -365,13 +365,14 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False) -> dict[str, A
     their batch (`profile_chain_s`, `profile_chain_per_seq_s`): what the GPU and the host do
     between two chained passes, outside the passes' device events. With `alone`, over the
     passes that met no other node's (`busy_passes`), and without a chunk pass among them, no
-    `profile_host_chunk_s`."""
+    `profile_host_chunk_s`. With fewer than `least` decode passes fitted, the median gap
+    alone, as without device times."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
     timed = pd.concat([busy_passes(steps, alone) for steps in runs], ignore_index=True)
     decode = timed.prefill_tokens == 0
-    if decode.sum() < 2:  # no device times (the CPU), or too few passes to fit
+    if decode.sum() < least:  # no device times (the CPU), or too few passes to fit
         return {"profile_pass_overhead_s": max(0.0, float(gaps.median()))}
     loop = timed.loop_s
     seqs = timed.batch_size.to_numpy(float)
@@ -421,10 +422,9 @@ def own_host(runs: Sequence[Path]) -> dict[str, Any]:
     that met no other node's (`busy_passes`)."""
     shared = any(shares_gpu(run) for run in runs)
     steps = [pd.read_parquet(run / "steps.parquet") for run in runs]
-    fitted = pd.concat([busy_passes(table, alone=shared) for table in steps])
-    if (fitted.prefill_tokens == 0).sum() < MIN_OWN_PASSES:  # none on the CPU
+    costs = loop_costs(steps, alone=shared, least=MIN_OWN_PASSES)
+    if "profile_host_s" not in costs:  # no device times, or too few passes: no host time
         return {}
-    costs = loop_costs(steps, alone=shared)
     return {k: v for k, v in costs.items() if k in HOST_KEYS}
 
 
