@@ -167,11 +167,14 @@ def test_two_colocated_nodes_round_robin(reference: dict, tmp_path: Path) -> Non
 def test_chained_passes_give_the_same_tokens(mode: str, reference: dict, tmp_path: Path) -> None:
     """hw.latency.chain: a decode pass launched before the pass it follows is read, its tokens
     that pass's samples on the device, gives the tokens and logits of passes launched one by
-    one; the run chains some passes (all requests come within 0.1 s, then decode together)."""
+    one; the run chains some passes (all requests come within 0.1 s, then decode together).
+    The servers warm up first, the generating ones a chained pair of passes too (`warm_chain`),
+    which leaves the pages as they were."""
     group = {"nodes": 1, "tp": 1, "token_budget": 1000, "max_batch": 8}
     data = disagg(1, 1) if mode == "disagg" else experiment({"mode": mode, "colocated": group})
-    summary, state = run(tmp_path, mode, data, "hw.latency.chain=true")
+    summary, state = run(tmp_path, mode, data, "hw.latency.chain=true", "hw.warm_up=true")
     assert_same_tokens(summary, state, reference)
+    assert all(s["warm_up_s"] > 0 for s in summary["node_settings"].values())
     steps = pd.read_parquet(tmp_path / mode / "steps.parquet")
     generating = steps[steps.node != "prefill0"]
     assert 0 < generating.chained.sum() < len(generating)

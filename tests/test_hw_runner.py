@@ -12,6 +12,7 @@ pytest.importorskip("torch", reason="the hw backend needs torch: pip install -e 
 
 import torch
 
+from disagg.hw import runner as runner_mod
 from disagg.hw.batch import Seq
 from disagg.hw.model import Transformer
 from disagg.hw.runner import (
@@ -237,6 +238,25 @@ def test_gpu_graphs_are_captured_up_to_the_limit_and_replay_the_eager_logits() -
     graphs.step(five)
     assert graphs.captured == [1, 2, 4, 8] and graphs.captured_on_demand == 1
     assert eager.captured == []
+
+
+def test_a_chained_warm_up_leaves_no_trace_and_feeds_the_first_pass_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    m = Transformer(tiny_gqa(), seed=3)
+    fresh = Runner(m, m.new_cache(24, PAGE))
+    warmed = Runner(m, m.new_cache(24, PAGE))
+    fed: list[list[int]] = []  # the tokens the chained pass ran on
+    feed = runner_mod._fed
+    monkeypatch.setattr(runner_mod, "_fed", lambda x, *a: (feed(x, *a), fed.append(x.tolist())))
+    assert warmed.warm_chain()
+    first = fresh.step([Seq.decode(0, 0, (0,))], sample=True)
+    assert fed == [first.tokens]  # the second pass ran on the first one's sample
+    assert warmed.steps == 2 and not any(bool(layer.any()) for layer in warmed.cache.layers)
+    batch = [Seq.of(p, 0, _pages(i)[:3]) for i, p in enumerate(PROMPTS[:2])]
+    other = Runner(m, m.new_cache(24, PAGE))
+    out, ref = warmed.step(batch, sample=True), other.step(batch, sample=True)
+    assert torch.equal(out.logits, ref.logits) and out.tokens == ref.tokens
 
 
 def test_a_warm_up_pass_leaves_no_trace_in_the_pages_or_the_logits() -> None:

@@ -5,6 +5,7 @@ server (KV from a prefill server, counted in by the wire's immediates) and the c
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,15 @@ class GeneratingServer(Server):
         # output), and when the one before it was read (where its steps row begins)
         self.chained: tuple[Batch, list[Seq], StepOutput] | None = None
         self.read_s = math.nan
+
+    def capture(self, max_batch: int) -> None:
+        """Capture the decode graphs of up to `max_batch` rows; then, where the server warms up
+        (`warm_up_s`) and chains its passes, warm the chained path on them too (`warm_chain`)."""
+        self.runner.capture_up_to(max_batch)
+        if self.warm_up_s is not None and self.hw.latency.chain:
+            began = time.perf_counter()
+            self.runner.warm_chain()
+            self.warm_up_s += time.perf_counter() - began
 
     def finished(self, req: Request) -> None:
         row = next((i for i, r in enumerate(self.pass_rows) if r is req), None)
@@ -173,7 +183,7 @@ class DecodeServer(GeneratingServer):
         self.plan = self.pair_plan(0, 0)  # groups 0 to 0: the only plan without DP
         # the hw model drafts no tokens: one per step
         self.role = DecodeRole(cfg.index, self, self.pool, group, exp.transfer, self.expected)
-        self.runner.capture_up_to(group.max_batch)
+        self.capture(group.max_batch)
         self.slots: dict[int, int] = {}
         self.timer_s = math.inf
         self.landed_s = math.nan  # the immediate being handed to the role arrived then
@@ -299,7 +309,7 @@ class ColocatedServer(GeneratingServer):
         super().__init__(cfg, control)
         g = self.exp.cluster.colocated
         self.role = ColocatedRole(cfg.index, self, self.pool, g)  # one token per step
-        self.runner.capture_up_to(g.max_batch)
+        self.capture(g.max_batch)
 
     def announce(self) -> None:  # no wire: nothing crosses a network
         self.control.send("driver", NodeUp(self.cfg.name, self.control.endpoint, {}, ()))

@@ -124,7 +124,7 @@ class Server:
             prefill_graphs=self.hw.latency.prefill_graphs,
         )
         self.runner.capture_pieces()  # before the warm-up pass, which replays them
-        self.warm_up_s: float | None = None  # its warm-up pass (None: none ran)
+        self.warm_up_s: float | None = None  # its warm-up passes (None: none ran)
         warm = self.hw.warm_up
         if self.model.device.type == "cuda" if warm is None else warm:  # one-time costs, now
             began = time.perf_counter()

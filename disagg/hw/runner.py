@@ -443,6 +443,25 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def warm_chain(self) -> bool:
+        """Run a decode pass of one row on the first page, then a pass chained behind it (fed
+        its sample on the device), read both, and zero that page again: the path only a chained
+        server takes (a pass left unread, its samples copied out to pinned memory, the next
+        pass's tokens taken from them) loads its kernels and buffers now, where its first use
+        would otherwise cost a server's first pass many times a pass's time. False (nothing
+        done) where decode passes do not chain (`chains`: eager on a GPU)."""
+        rows = [Seq.decode(0, 0, (0,))]
+        if not self.chains(rows):
+            return False
+        first = self.step(rows, sample=True, read=False)
+        second = self.step([Seq.decode(0, 1, (0,))], sample=True, feed=(first, [0]), read=False)
+        first.read(), second.read()
+        for layer in self.cache.layers:
+            layer[:1].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return True
+
     def plan_ahead(self, batch: Sequence[Seq], in_flight: bool = False) -> bool:
         """Prepare the decode step of `batch` now (attention plan, inputs in its graph's
         buffers), so that the next step, if it is of these rows, only replays the graph (after
