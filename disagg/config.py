@@ -172,6 +172,10 @@ class ClusterConfig(_Frozen):
     # chunk_extra_s times the factor interpolated at its time alone, held at the ends (disagg
     # validate measures it from the passes); (): every pass adds chunk_extra_s
     chunk_extra_shape: tuple[tuple[float, float], ...] = ()
+    # and its factor where the first decode pass a chunk pass meets has more than 16 sequences,
+    # whose host issues its copies in more groups, so that it yields the GPU once more a pass
+    # (sim/gpu.py's EXTRA_YIELD_SEQS; disagg validate measures it from the passes)
+    chunk_extra_wide: float = Field(default=1.0, ge=0.0)
     # (seconds, factor) points like chunk_extra_shape: a decode-only pass beside a pass with a
     # prompt chunk whose work takes `seconds` alone weighs decode_share times the factor there
     # (disagg validate measures it: on one H100 a Llama-3.1-8B decode pass ran at 0.62 of its

@@ -34,6 +34,7 @@ import pandas as pd
 
 from disagg.errors import ConfigError
 from disagg.settings import pieces_size
+from disagg.sim.gpu import EXTRA_YIELD_SEQS
 
 SHARE_BOUNDS = (0.01, 0.99)
 MIN_CHUNK_PASSES = 8
@@ -243,10 +244,37 @@ def extra_shape(
     return tuple(zip(seconds.tolist(), factors.tolist(), strict=True))
 
 
-def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int]) -> pd.DataFrame:
+def extra_wide(
+    runs: Sequence[tuple[pd.DataFrame, pd.Series]],
+    shape: Sequence[tuple[float, float]] = (),
+    host_s: float = 0.0,
+) -> float:
+    """The chunk extra's factor beside a wide decode pass (the cluster's chunk_extra_wide) that
+    runs show, as `extra_shape` takes them: over their passes with a prompt chunk that met a
+    decode pass of another node, each one's extra over the `shape`'s factor at its time alone
+    (plus `host_s`, as the shape reads it), the median of those whose first decode pass met
+    had more than EXTRA_YIELD_SEQS sequences over the median of the others. 1 with fewer than
+    MIN_SHAPE_PASSES of either, or where the others' is not above 0."""
+    met = [_met_chunks(steps, shaped) for steps, shaped in runs]
+    passes = pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
+    if passes.empty:
+        return 1.0
+    at = np.array([s for s, _ in shape], float)
+    factor = np.interp(passes.alone + host_s, at, [f for _, f in shape]) if len(at) else 1.0
+    extra = passes.extra / factor
+    wide = passes.first_seqs > EXTRA_YIELD_SEQS
+    narrow = float(extra[~wide].median())
+    if min(wide.sum(), (~wide).sum()) < MIN_SHAPE_PASSES or not narrow > 0:
+        return 1.0
+    return max(float(extra[wide].median()) / narrow, 0.0)
+
+
+def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int] = ()) -> pd.DataFrame:
     """`extra_shape`'s passes of one run: position, size, time alone and extra of each chunk
-    pass that met a decode pass of another node."""
-    met = list(overlap_segments(steps, decode=False))
+    pass that met a decode pass of another node, and the sequences of the first decode pass
+    it met (the widest running then)."""
+    segments = overlap_segments(steps, False, steps.decode_seqs.to_numpy(float))
+    met = list(segments)
     rows = steps.iloc[met]
     alone = shaped.to_numpy(float)[met]
     tokens = rows.prefill_tokens.to_numpy(int) + rows.decode_seqs.to_numpy(int)
@@ -256,8 +284,15 @@ def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int]) -
             "size": [pieces_size(pieces, n) or 2 ** math.ceil(math.log2(n)) for n in tokens],
             "alone": alone,
             "extra": rows.device_s.to_numpy(float) - alone,
+            "first_seqs": [_first(segments[i][3]) for i in met],
         }
     )
+
+
+def _first(marks: np.ndarray) -> float:
+    """The first mark above 0 of a pass's pieces (0 where none is)."""
+    on = marks[marks > 0]
+    return float(on[0]) if len(on) else 0.0
 
 
 MIN_BESIDE_PASSES = 20  # decode passes beside chunk passes of one size, for a point of the shape

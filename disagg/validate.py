@@ -78,12 +78,14 @@ from disagg.share import (
     decode_scale_at_shape,
     decode_share_shape,
     extra_shape,
+    extra_wide,
     fit_line,
     overlap_segments,
     shares,
     shares_at_full_pace,
 )
 from disagg.sim.costmodel import make_cost_model
+from disagg.sim.gpu import EXTRA_YIELD_SEQS
 from disagg.validate_passes import (
     after_chunk,
     chunk_offsets,
@@ -588,7 +590,7 @@ def loop_repeat(name: str) -> int | None:
 WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the cluster
 # share.json's keys: the weights, with a chunk extra or not, the round robin's switch_s, or
 # the turns rule's slice with it
-SHARES = (*WEIGHTS, "chunk_extra_s", "switch_s", "turn_slice_s")
+SHARES = (*WEIGHTS, "chunk_extra_s", "chunk_extra_wide", "switch_s", "turn_slice_s")
 SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) points
 SHARE_SHAPE = "decode_share_shape"  # and the decode share's
 # the turns rule's slice as kernel timelines of both servers on one H200 and one H100 showed
@@ -651,7 +653,8 @@ def share_overrides(fitted: Mapping[str, Any]) -> list[str]:
     if "switch_s" in fitted:
         rule = {"turn_slice_s": None} | dict(fitted)
     else:
-        rule = {"chunk_extra_s": 0.0, SHAPE: (), SHARE_SHAPE: ()} | dict(fitted)
+        rule = {"chunk_extra_s": 0.0, "chunk_extra_wide": 1.0, SHAPE: (), SHARE_SHAPE: ()}
+        rule |= dict(fitted)
         rule |= {"switch_s": None, "turn_slice_s": None}
     return [f"cluster.{k}={json.dumps(v)}" for k, v in rule.items()]
 
@@ -768,6 +771,7 @@ def fit_extra(
         at_shape = [(run, shape_device(run, e)) for e, run in timed]
         pieces = exp.hw.latency.prefill_graphs
         weights[SHAPE] = extra_shape(at_shape, pieces, host_s)
+        weights["chunk_extra_wide"] = extra_wide(at_shape, weights[SHAPE], host_s)
         weights[SHARE_SHAPE] = decode_share_shape(at_shape, alone_s, a, pieces, host_s)
 
     def error(extra_s: float) -> float:
@@ -895,6 +899,9 @@ def said_shares(fitted: Mapping[str, Any]) -> str:
     if extra and fitted.get(SHAPE):
         points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHAPE])
         beside += f" times by its time alone {points}"
+    if extra and fitted.get("chunk_extra_wide", 1.0) != 1.0:
+        wide = fitted["chunk_extra_wide"]
+        beside += f", and {wide:.2f} beside more than {EXTRA_YIELD_SEQS} decode sequences"
     if fitted.get(SHARE_SHAPE):
         points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHARE_SHAPE])
         beside += f"; the decode share times by the chunk's time alone {points}"

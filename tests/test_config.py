@@ -34,6 +34,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_o
         "prefill_share": None,
         "chunk_extra_s": 0.0,
         "chunk_extra_shape": (),
+        "chunk_extra_wide": 1.0,
         "decode_share_shape": (),
         "switch_s": None,
         "turn_slice_s": None,

@@ -20,12 +20,14 @@ from disagg.share import (
     decode_share,
     decode_share_shape,
     extra_shape,
+    extra_wide,
     overlap_segments,
     prefill_share,
     shares,
     shares_at_full_pace,
 )
 from disagg.sim.cluster import Sim
+from disagg.sim.gpu import EXTRA_YIELD_SEQS
 from disagg.validate_plan import other_mode
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
@@ -245,6 +247,32 @@ def test_the_fit_finds_the_decode_shares_shape_a_simulated_gpu_ran_at() -> None:
     for seconds, factor in shape:
         size = by_size.iloc[int(np.argmin(abs(by_size.alone - seconds)))]
         assert size.low <= factor <= size.high
+
+
+def test_the_extra_beside_wide_decodes_is_read_over_the_extra_beside_narrow_ones() -> None:
+    """Hand arithmetic. A decode pass of 4 sequences runs from 0 to 1 s, one of 17 from 1 to
+    2 s; three chunk passes of 10 ms alone beside each took 20 ms more beside the narrow one,
+    10 ms more beside the wide one: the factor is 0.5. A chunk pass that met the narrow one
+    first and then the wide one counts as narrow. On a shape of 0.5 at 10 ms and 1 at 30 ms
+    (read with a host time of 2 ms: at 12 ms, 0.55), each extra is over the same factor: 0.5
+    again. With only two wide passes, or a narrow extra of 0, there is no factor (1)."""
+    wide = EXTRA_YIELD_SEQS + 1
+    chunks = [(0.1 * i, 0.030) for i in range(1, 4)] + [(1.0 + 0.1 * i, 0.020) for i in range(1, 4)]
+    chunks.append((0.99, 0.030))  # from the narrow decode into the wide one
+    run = _rows(
+        ("d", 0.0, 1.0, 4, 0),
+        ("d", 1.0, 1.0, wide, 0),
+        *[("p", t, device, 0, 512) for t, device in chunks],
+    )
+    run["device_s"] = [1.0, 1.0, *(device for _, device in chunks)]
+    alone = pd.Series([np.nan, np.nan, *[0.010] * len(chunks)], index=run.index)
+    assert extra_wide([(run, alone)]) == pytest.approx(0.5)
+    shape = ((0.010, 0.5), (0.030, 1.0))
+    assert extra_wide([(run, alone)], shape, host_s=0.002) == pytest.approx(0.5)
+    assert extra_wide([(run.iloc[:-2], alone.iloc[:-2])]) == 1.0  # two wide passes left
+    flat = run.assign(device_s=[1.0, 1.0, *[0.010] * 3, *[0.020] * 3, 0.010])
+    assert extra_wide([(flat, alone)]) == 1.0
+    assert extra_wide([]) == 1.0
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

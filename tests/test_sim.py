@@ -12,7 +12,7 @@ from disagg.hardware import get_nic
 from disagg.sim.clock import Clock
 from disagg.sim.cluster import Proc, Sim
 from disagg.sim.costmodel import StepShape
-from disagg.sim.gpu import SharedGPU, TurnGPU
+from disagg.sim.gpu import EXTRA_YIELD_SEQS, SharedGPU, TurnGPU
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 SHORT = ["workload.duration_s=20"]
@@ -314,22 +314,24 @@ def _overlaps(steps: pd.DataFrame) -> int:
 
 
 def _ends(
-    passes: list[tuple[float, float, bool]],
+    passes: list[tuple[float, float, bool]] | list[tuple[float, float, bool, int]],
     share: float,
     prefill: float | None = None,
     switch_s: float | None = None,
     extra: float = 0.0,
     shape: tuple[tuple[float, float], ...] = (),
     share_shape: tuple[tuple[float, float], ...] = (),
+    wide: float = 1.0,
 ) -> list[float]:
-    """When each (start, seconds alone, decode-only) pass ends on a SharedGPU (`extra`: its
-    chunk_extra_s, `shape` its chunk_extra_shape, `share_shape` its decode_share_shape)."""
+    """When each (start, seconds alone, decode-only[, decode sequences]) pass ends on a
+    SharedGPU (`extra`: its chunk_extra_s, `shape` its chunk_extra_shape, `share_shape` its
+    decode_share_shape, `wide` its chunk_extra_wide)."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill, switch_s, 1.0, extra, shape, share_shape)
+    gpu = SharedGPU(env, share, prefill, switch_s, 1.0, extra, shape, share_shape, wide)
 
-    def one(i: int, start: float, seconds: float, decode_only: bool) -> Proc:
+    def one(i: int, start: float, seconds: float, decode_only: bool, seqs: int = 1) -> Proc:
         yield start
-        yield from gpu.run(seconds, decode_only)
+        yield from gpu.run(seconds, decode_only, seqs=seqs if decode_only else 0)
         ends[i] = env.now
 
     for i, p in enumerate(passes):
@@ -394,6 +396,27 @@ def test_a_chunk_pass_takes_the_extra_once_it_meets_another_pass() -> None:
     # a chunk pass after it, begun alone at 45 ms and met by nothing: its time
     after = [*late, (45e-3, 30e-3, False)]
     assert _ends(after, 0.25, 1.0, extra=10e-3)[2] == pytest.approx(75e-3, abs=1e-12)
+
+
+def test_a_chunk_pass_beside_a_wide_decode_pass_takes_the_extra_times_its_factor() -> None:
+    """Hand arithmetic, decode share 0.25, prefill share 1 (capacity 1.25), a chunk extra of
+    10 ms, 0.5 of it beside a decode pass of more than EXTRA_YIELD_SEQS sequences. A 30 ms
+    chunk pass from 0 meets a 6 ms decode of 17 sequences at 10 ms: 20 ms left + 5 extra, so
+    it ends at 35 ms (the decode at 10 + 6 / 0.25 = 34); of 16 sequences, at 40 ms. Begun
+    beside two decodes, of 1 and 17 sequences, it takes the widest's extra and runs at
+    1.25 / 1.5: (30 + 5) / (1.25 / 1.5) = 42 ms. The first decode it meets decides: begun
+    beside one of 1 sequence (1.25 ms alone, at 0.25: over at 5 ms), it keeps its 10 ms when
+    a wide one comes at 10 ms, and ends at 40 ms."""
+    wide = EXTRA_YIELD_SEQS + 1
+    for seqs, end in ((wide, 35e-3), (EXTRA_YIELD_SEQS, 40e-3)):
+        late = [(0.0, 30e-3, False, 0), (10e-3, 6e-3, True, seqs)]
+        got = _ends(late, 0.25, 1.0, extra=10e-3, wide=0.5)
+        assert got == pytest.approx([end, 34e-3], abs=1e-12)
+    beside = [(0.0, 1.0, True, 1), (0.0, 1.0, True, wide), (0.0, 30e-3, False, 0)]
+    assert _ends(beside, 0.25, 1.0, extra=10e-3, wide=0.5)[2] == pytest.approx(42e-3, abs=1e-12)
+    narrow_first = [(0.0, 1.25e-3, True, 1), (0.0, 30e-3, False, 0), (10e-3, 1.0, True, wide)]
+    ends = _ends(narrow_first, 0.25, 1.0, extra=10e-3, wide=0.5)
+    assert ends[:2] == pytest.approx([5e-3, 40e-3], abs=1e-12)
 
 
 def test_a_chunk_pass_takes_the_extra_its_time_alone_gives_on_the_shape() -> None:

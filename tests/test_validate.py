@@ -423,8 +423,9 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     each: the one it ran under replays it closest, and goes to share.json; the round robin's
     and the turns rule's switch costs and the chunk extra are
     found again within 10% (the summary's percentiles move in steps, so costs near them
-    replay it as closely), the shares within 1%, and the decode share the same beside every
-    chunk (its shape within 2% of 1)."""
+    replay it as closely), the shares within 1%, the extra the same beside every batch (its
+    wide factor within 10% of 1), and the decode share the same beside every chunk (its shape
+    within 2% of 1)."""
     from typer.testing import CliRunner
 
     from disagg.cli import app
@@ -465,15 +466,18 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     elif rule == "weights":
         assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
-        shapes = ["chunk_extra_shape", "decode_share_shape"]
+        shapes = ["chunk_extra_shape", "chunk_extra_wide", "decode_share_shape"]
         assert list(fitted) == [*WEIGHTS, *shapes, "chunk_extra_s"]
-        shape, beside = (fitted.pop(name) for name in shapes)
+        shape, wide, beside = (fitted.pop(name) for name in shapes)
         assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
         assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
-        # the same extra at every size and one decode share beside all: both shapes flat
+        # the same extra at every size and beside every batch, and one decode share beside
+        # all: the shapes flat, the wide factor 1
         assert all(f == pytest.approx(1.0, abs=0.1) for _, f in shape)
+        assert wide == pytest.approx(1.0, abs=0.1)
         assert all(f == pytest.approx(1.0, abs=0.02) for _, f in beside)
-        fitted |= {"chunk_extra_shape": shape, "decode_share_shape": beside}
+        fitted |= {"chunk_extra_shape": shape, "chunk_extra_wide": wide}
+        fitted |= {"decode_share_shape": beside}
     assert read_shares(cal / "share.json") == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
         assert (cal / rule_dir / "disagg-20rps" / "summary.json").exists()

@@ -233,7 +233,7 @@ class Node(Generic[R]):
             yield seconds
             return
         if isinstance(gpu, SharedGPU) and gpu.switch_s is None:
-            yield from gpu.run(seconds, not prefill)
+            yield from gpu.run(seconds, not prefill, seqs=decodes)
             return
         yield from gpu.run(seconds - host, not prefill, host, decodes)
 
@@ -570,6 +570,7 @@ class Sim:
                 c.chunk_extra_s,
                 c.chunk_extra_shape,
                 c.decode_share_shape,
+                c.chunk_extra_wide,
             )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]

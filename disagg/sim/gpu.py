@@ -24,7 +24,11 @@ than alone. Three rules say how much; a pass alone always runs at full speed.
   then met a decode pass took as long as one that began beside it, on an H100 and an H200
   (docs/calibration.md). With `cluster.chunk_extra_shape` the extra follows the pass's time
   alone: a Qwen3-30B-A3B pass took 14-17 ms more up to 19 ms alone and 29-33 ms more at
-  29 ms (benchmarks/results/2026-12-06d-gpu/). With `cluster.decode_share_shape` a decode
+  29 ms (benchmarks/results/2026-12-06d-gpu/). With `cluster.chunk_extra_wide` the extra
+  beside a decode pass of more than EXTRA_YIELD_SEQS sequences (the first the chunk pass
+  meets), which yields the GPU once more a pass, is that factor of it: a Llama-3.1-8B chunk
+  pass beside chained decodes on one H100 took 66-74 ms more beside up to 16 sequences and
+  58-64 ms beside more (docs/calibration.md). With `cluster.decode_share_shape` a decode
   pass's weight follows the time alone of the chunk pass beside it: on one H100 a
   Llama-3.1-8B decode pass ran at 0.62 of its pace alone beside a chunk of 13 ms alone, 0.53
   beside 26 ms and 0.40 beside 45 ms, in every run (benchmarks/results/2026-12-06f-gpu/)."""
@@ -38,6 +42,11 @@ from typing import Any
 import numpy as np
 
 from disagg.sim.clock import Clock, Signal
+
+# a decode pass of more sequences yields once more before its device time: its host issues
+# its copies in more groups (a kernel timeline on one H100: 4 yields a pass above 16, 3 below;
+# benchmarks/results/2026-12-06-gpu)
+EXTRA_YIELD_SEQS = 16
 
 
 def pace(weight: float, total: float, capacity: float) -> float:
@@ -98,6 +107,7 @@ class SharedGPU(_OneGPU):
         chunk_extra_s: float = 0.0,
         chunk_extra_shape: Sequence[tuple[float, float]] = (),
         decode_share_shape: Sequence[tuple[float, float]] = (),
+        chunk_extra_wide: float = 1.0,
     ) -> None:
         super().__init__(env, host_before)
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
@@ -106,11 +116,12 @@ class SharedGPU(_OneGPU):
         self.switch_s = switch_s  # set: round robin, each pass weighing its seconds alone
         self.chunk_extra_s = 0.0 if switch_s is not None else chunk_extra_s
         self.extra_shape = _points(chunk_extra_shape)  # none: every pass adds chunk_extra_s
+        self.extra_wide = chunk_extra_wide  # its factor beside a wide decode pass (`extra_s`)
         self.share_shape = _points(() if switch_s is not None else decode_share_shape)
         # pass -> [seconds of work left, weight, decode-only, the decode share's factor
-        # beside it (`share_factor`)]
+        # beside it (`share_factor`), a decode pass's sequences]
         self.running: dict[Signal, list[Any]] = {}
-        # passes with a chunk that have met no other pass yet -> the extra they would add
+        # passes with a chunk that have met no other pass yet -> their time alone
         self.alone: dict[Signal, float] = {}
         self.at = 0.0  # when the work left was last brought up to date
         self.turn = 0  # the completion timer set last (earlier ones are stale)
@@ -120,12 +131,15 @@ class SharedGPU(_OneGPU):
             return seconds
         return self.weights[0] if decode_only else self.weights[1]
 
-    def extra_s(self, seconds: float) -> float:
-        """The work a pass with a chunk of `seconds` alone adds once it meets another pass:
-        `chunk_extra_s`, times the shape's factor at `seconds`."""
+    def extra_s(self, seconds: float, seqs: int = 0) -> float:
+        """The work a pass with a chunk of `seconds` alone adds once it meets another pass, the
+        first a decode pass of `seqs` sequences (0: a pass with a chunk): `chunk_extra_s`,
+        times the shape's factor at `seconds`, and `chunk_extra_wide` beside more than
+        EXTRA_YIELD_SEQS."""
         if not self.chunk_extra_s:
             return 0.0
-        return self.chunk_extra_s * _factor(self.extra_shape, seconds)
+        wide = self.extra_wide if seqs > EXTRA_YIELD_SEQS else 1.0
+        return self.chunk_extra_s * _factor(self.extra_shape, seconds) * wide
 
     def share_factor(self, seconds: float, decode_only: bool) -> float:
         """The decode share's factor beside a pass with a chunk of `seconds` alone (the shape's
@@ -150,14 +164,16 @@ class SharedGPU(_OneGPU):
 
     def work_s(self, seconds: float, decode_only: bool) -> float:
         """The work of a pass of `seconds` alone started now: with a prompt chunk beside
-        another pass, its `extra_s` more."""
-        return seconds + (self.extra_s(seconds) if self.running and not decode_only else 0.0)
+        another pass, its `extra_s` more (beside the widest decode pass running)."""
+        if decode_only or not self.running:
+            return seconds
+        return seconds + self.extra_s(seconds, max(p[4] for p in self.running.values()))
 
-    def _meet(self) -> None:
-        """A pass begins: the passes with a chunk that began alone and have met no other pass
-        until now take their extra work."""
-        for p, extra in self.alone.items():
-            self.running[p][0] += extra
+    def _meet(self, seqs: int) -> None:
+        """A pass of `seqs` decode sequences begins: the passes with a chunk that began alone
+        and have met no other pass until now take their extra work."""
+        for p, seconds in self.alone.items():
+            self.running[p][0] += self.extra_s(seconds, seqs)
         self.alone.clear()
 
     def expected_s(self, seconds: float, decode_only: bool) -> float:
@@ -165,18 +181,18 @@ class SharedGPU(_OneGPU):
         throughout (the layer-wise KV sends of a prefill pass keep that pace)."""
         work = self.work_s(seconds, decode_only)
         factor = self.share_factor(seconds, decode_only)
-        new = [work, self.weight(work, decode_only), decode_only, factor]
+        new = [work, self.weight(work, decode_only), decode_only, factor, 0]
         return work / self.paces([new, *self.running.values()])[0]
 
     def _device(self, seconds: float, decode_only: bool, seqs: int) -> Generator[Any, Any, None]:
         self._advance()
         done = self.env.event()
         work = self.work_s(seconds, decode_only)
-        self._meet()
+        self._meet(seqs if decode_only else 0)
         if not decode_only and not self.running:
-            self.alone[done] = self.extra_s(seconds)
+            self.alone[done] = seconds
         factor = self.share_factor(seconds, decode_only)
-        self.running[done] = [work, self.weight(work, decode_only), decode_only, factor]
+        self.running[done] = [work, self.weight(work, decode_only), decode_only, factor, seqs]
         self._schedule()
         yield done
 
@@ -217,12 +233,6 @@ def _points(shape: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarra
 def _factor(shape: tuple[np.ndarray, np.ndarray], seconds: float) -> float:
     """A shape's factor at `seconds`, interpolated and held at the ends; 1 without points."""
     return float(np.interp(seconds, *shape)) if len(shape[0]) else 1.0
-
-
-# a decode pass of more sequences yields once more before its device time: its host issues
-# its copies in more groups (a kernel timeline on one H100: 4 yields a pass above 16, 3 below;
-# benchmarks/results/2026-12-06-gpu)
-EXTRA_YIELD_SEQS = 16
 
 
 class TurnGPU(_OneGPU):
