@@ -674,55 +674,43 @@ def replay_error(runs: Sequence[Path], overrides: Sequence[str], out: Path) -> f
 
 SWITCH_RANGE_S = (0.0, 0.02)  # where the round robin's switch cost is searched
 EXTRA_RANGE_S = (0.0, 0.1)  # and the weights' chunk extra
-STEP_S = 1e-4  # and to what width
+GRID_STEPS = 20  # a search's steps over its range (`least_smoothed`)
 
 
-def golden(
-    error: Callable[[float], float], bounds: tuple[float, float], width: float = STEP_S
+def least_smoothed(
+    error: Callable[[float], float], bounds: tuple[float, float], steps: int = GRID_STEPS
 ) -> tuple[float, float]:
-    """The x within `bounds` of least `error(x)`, golden-section searched to `width`, and that
-    error; the last x tried is that x (a replay it leaves is that x's). The search assumes
-    the error falls to one least and rises beyond it, as the shared-GPU fits' replay errors
-    did on every run tried (docs/calibration.md)."""
-    last = math.nan
-
-    def at(x: float) -> float:
-        nonlocal last
-        last = x
-        return error(x)
-
-    lo, hi = bounds
-    step = (math.sqrt(5) - 1) / 2
-    c, d = hi - step * (hi - lo), lo + step * (hi - lo)
-    fc, fd = at(c), at(d)
-    while hi - lo > width:
-        if fc <= fd:
-            hi, d, fd = d, c, fc
-            c = hi - step * (hi - lo)
-            fc = at(c)
-        else:
-            lo, c, fc = c, d, fd
-            d = lo + step * (hi - lo)
-            fd = at(d)
-    best, least = (c, fc) if fc <= fd else (d, fd)
-    if last != best:
-        at(best)
-    return best, least
+    """The x within `bounds` where `error` is least once smoothed, and the error there: `error`
+    at `steps` + 1 points evenly over `bounds`, then the least of the parabola fitted (least
+    squares) to the five around the grid's least (fewer at the ends), held between that
+    least's neighbours. A replay's error is ragged near its least, by a third from one
+    millisecond of the chunk extra to the next on an MoE validate (docs/calibration.md): a
+    search that follows it lands in one of its dips, and which one moves with any change;
+    the parabola reads the trough they are in. The last x tried is that x (a replay it
+    leaves is that x's)."""
+    xs = np.linspace(*bounds, steps + 1)
+    ys = np.array([error(float(x)) for x in xs])
+    i = int(np.argmin(ys))
+    near = slice(max(0, i - 2), i + 3)
+    curve, slope, _ = np.polyfit(xs[near], ys[near], 2)
+    x = float(xs[i])
+    if curve > 0:
+        x = float(np.clip(-slope / (2 * curve), xs[max(0, i - 1)], xs[min(steps, i + 1)]))
+    return x, error(x)
 
 
 def fit_switch(shared: Sequence[Path], on_profile: Sequence[str], out: Path) -> tuple[float, float]:
     """The round robin's switch cost whose replays of `shared` (the calibration's runs on one
     GPU) on the profile (`on_profile`) are closest to them (`replay_error`), searched over
-    SWITCH_RANGE_S (`golden`), and that error; their replays are left in `out`."""
+    SWITCH_RANGE_S (`least_smoothed`), and that error; their replays are left in `out`."""
 
     def error(switch_s: float) -> float:
         return replay_error(shared, [f"cluster.switch_s={switch_s!r}", *on_profile], out)
 
-    return golden(error, SWITCH_RANGE_S)
+    return least_smoothed(error, SWITCH_RANGE_S)
 
 
-TURN_SWITCH_RANGE_S = (0.0, 4e-4)  # where the turns rule's switch is searched, to what width
-TURN_STEP_S = 5e-6
+TURN_SWITCH_RANGE_S = (0.0, 4e-4)  # where the turns rule's switch is searched
 
 
 def fit_turns(
@@ -738,7 +726,7 @@ def fit_turns(
     def error(switch_s: float) -> float:
         return replay_error(shared, [*share_overrides(rule(switch_s)), *on_profile], out)
 
-    switch_s, least = golden(error, TURN_SWITCH_RANGE_S, TURN_STEP_S)
+    switch_s, least = least_smoothed(error, TURN_SWITCH_RANGE_S)
     return rule(switch_s), least
 
 
@@ -753,7 +741,7 @@ def fit_extra(
     the prefill piece that replays them, at their time alone with the prefill server's host
     time per pass, as the replay reads it), and the
     chunk extra whose replays of them on the profile (`on_profile`) are closest to them,
-    searched over EXTRA_RANGE_S (`golden`); that error; and the extra the first run's passes
+    searched over EXTRA_RANGE_S (`least_smoothed`); that error; and the extra the first run's passes
     themselves show. Their replays are left in `out`."""
     steps = pd.concat(pd.read_parquet(d / "steps.parquet") for d in alone)
     runs = [(d, pd.read_parquet(d / "steps.parquet")) for d in shared]
@@ -778,7 +766,7 @@ def fit_extra(
         rule = share_overrides(weights | {"chunk_extra_s": extra_s})
         return replay_error(shared, [*rule, *on_profile], out)
 
-    extra_s, least = golden(error, EXTRA_RANGE_S)
+    extra_s, least = least_smoothed(error, EXTRA_RANGE_S)
     return weights | {"chunk_extra_s": extra_s}, least, passes_s
 
 
