@@ -455,7 +455,8 @@ class Runner:
             return False
         first = self.step(rows, sample=True, read=False)
         second = self.step([Seq.decode(0, 1, (0,))], sample=True, feed=(first, [0]), read=False)
-        first.read(), second.read()
+        first.read()
+        second.read()
         for layer in self.cache.layers:
             layer[:1].zero_()
         if self.device.type == "cuda":
