@@ -683,19 +683,20 @@ def least_smoothed(
     """The x within `bounds` where `error` is least once smoothed, and the error there: `error`
     at `steps` + 1 points evenly over `bounds`, then the least of the parabola fitted (least
     squares) to the five around the grid's least (fewer at the ends), held between that
-    least's neighbours. A replay's error is ragged near its least, by a third from one
-    millisecond of the chunk extra to the next on an MoE validate (docs/calibration.md): a
-    search that follows it lands in one of its dips, and which one moves with any change;
-    the parabola reads the trough they are in. The last x tried is that x (a replay it
-    leaves is that x's)."""
+    least's neighbours (the grid's least itself where an error there is not finite). A
+    replay's error is ragged near its least (docs/calibration.md, 2026-12-06i): a search
+    that follows it lands in one of its dips, and which one moves with any change; the
+    parabola reads the trough they are in. The last x tried is that x (a replay it leaves is
+    that x's)."""
     xs = np.linspace(*bounds, steps + 1)
     ys = np.array([error(float(x)) for x in xs])
     i = int(np.argmin(ys))
     near = slice(max(0, i - 2), i + 3)
-    curve, slope, _ = np.polyfit(xs[near], ys[near], 2)
     x = float(xs[i])
-    if curve > 0:
-        x = float(np.clip(-slope / (2 * curve), xs[max(0, i - 1)], xs[min(steps, i + 1)]))
+    if np.isfinite(ys[near]).all():
+        curve, slope, _ = np.polyfit(xs[near], ys[near], 2)
+        if curve > 0:
+            x = float(np.clip(-slope / (2 * curve), xs[max(0, i - 1)], xs[min(steps, i + 1)]))
     return x, error(x)
 
 

@@ -431,6 +431,11 @@ def test_the_search_takes_the_trough_of_a_ragged_error_not_its_dips() -> None:
     x, err = least_smoothed(at(ragged), (0.0, 1.0))
     assert x == pytest.approx(0.42, abs=0.01) and err == ragged(x) and tried[-1] == x
     assert least_smoothed(lambda x: x, (0.0, 1.0)) == (0.0, 0.0)
+    # a replay with no metrics errs by inf: next to one, the grid's least stands
+    assert least_smoothed(lambda x: math.inf if x > 0.9 else abs(x - 0.95), (0.0, 1.0)) == (
+        pytest.approx(0.9),
+        pytest.approx(0.05),
+    )
 
 
 @pytest.mark.parametrize(
