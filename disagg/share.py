@@ -228,8 +228,7 @@ def extra_shape(
     pass's whole time alone, host and device), and their median extra (device time less its
     time alone there) over the extra of the size with the most passes, at least 0. () with
     fewer than two sizes, or where that size's extra is not above 0."""
-    met = [_met_chunks(steps, shaped, pieces) for steps, shaped in runs]
-    passes = pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
+    passes = _met_passes(runs, pieces)
     if passes.empty:
         return ()
     sizes = passes.groupby("size").agg(
@@ -255,8 +254,7 @@ def extra_wide(
     (plus `host_s`, as the shape reads it), the median of those whose first decode pass met
     had more than EXTRA_YIELD_SEQS sequences over the median of the others. 1 with fewer than
     MIN_SHAPE_PASSES of either, or where the others' is not above 0."""
-    met = [_met_chunks(steps, shaped) for steps, shaped in runs]
-    passes = pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
+    passes = _met_passes(runs)
     if passes.empty:
         return 1.0
     at = np.array([s for s, _ in shape], float)
@@ -267,6 +265,14 @@ def extra_wide(
     if min(wide.sum(), (~wide).sum()) < MIN_SHAPE_PASSES or not narrow > 0:
         return 1.0
     return max(float(extra[wide].median()) / narrow, 0.0)
+
+
+def _met_passes(
+    runs: Sequence[tuple[pd.DataFrame, pd.Series]], pieces: Sequence[int] = ()
+) -> pd.DataFrame:
+    """`_met_chunks` of every run, pooled (the passes with every column known)."""
+    met = [_met_chunks(steps, shaped, pieces) for steps, shaped in runs]
+    return pd.concat(met, ignore_index=True).dropna() if met else pd.DataFrame()
 
 
 def _met_chunks(steps: pd.DataFrame, shaped: pd.Series, pieces: Sequence[int] = ()) -> pd.DataFrame:
