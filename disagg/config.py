@@ -182,6 +182,10 @@ class ClusterConfig(_Frozen):
     # pace alone beside a chunk pass of 13 ms alone, 0.53 beside 26 ms, 0.40 beside 45 ms);
     # (): decode_share beside any
     decode_share_shape: tuple[tuple[float, float], ...] = ()
+    # and its factor for a decode pass of more than 16 sequences, which yields the GPU once
+    # more a pass (sim/gpu.py's EXTRA_YIELD_SEQS); disagg validate measures it from a chained
+    # decode server's passes (hw.latency.chain), and leaves 1 for an unchained one
+    decode_share_wide: float = Field(default=1.0, gt=0.0)
     # set: the passes there take turns kernel by kernel instead, each advancing at its time
     # alone over all theirs plus switch_s for every two passes (round robin, sim/gpu.py), and
     # the shares are unused; disagg validate measures it

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -129,14 +130,20 @@ def _bisect(work: Callable[[float], float], want: float, bounds: tuple[float, fl
 
 
 def _overlaps(
-    steps: pd.DataFrame, alone: Line, decode: bool
+    steps: pd.DataFrame, alone: Line, decode: bool, wide: bool | None = None
 ) -> tuple[float, int, Callable[[float, float], float]]:
     """The passes of one kind of `steps`, decode-only (`decode`) or with a chunk, that met a
-    pass of the other kind of another node: their time alone in all, how many they are, and
-    the work they did at decode share a and prefill share b (`work(a, b)`)."""
+    pass of the other kind of another node (with `wide`, only the chained decode passes of
+    more than EXTRA_YIELD_SEQS sequences, or only the other chained ones): their time alone
+    in all, how many they are, and the work they did at decode share a and prefill share b
+    (`work(a, b)`)."""
     if (steps.steps > 1).any():
         raise ConfigError("the shared run's steps table must hold one pass a row (a hw run's)")
     segments = overlap_segments(steps, decode)
+    if wide is not None:
+        chained = steps.chained > 0 if "chained" in steps else pd.Series(False, index=steps.index)
+        picked = chained & ((steps.decode_seqs > EXTRA_YIELD_SEQS) == wide)
+        segments = {i: s for i, s in segments.items() if picked.iloc[i]}
     if not segments:
         raise ConfigError("no decode pass met a prompt pass of another node: no share to fit")
     size = steps.decode_seqs if decode else steps.prefill_tokens
@@ -166,6 +173,30 @@ def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | No
         return _bisect(done, want, SHARE_BOUNDS if decode else PREFILL_BOUNDS)
 
     return at
+
+
+def decode_share_wide(steps: pd.DataFrame, alone: Line) -> float:
+    """The decode share's factor for a wide decode pass (the cluster's decode_share_wide) that
+    the chained decode passes of `steps` (hw.latency.chain) show beside chunk passes at full
+    pace (prefill share 1): the share of those of more than EXTRA_YIELD_SEQS sequences over
+    the share of the others. 1 where either has fewer than MIN_BESIDE_PASSES passes: an
+    unchained decode server waits on its host between passes, and its wide passes showed no
+    such factor (docs/calibration.md, 2026-12-06i)."""
+    shares = []
+    for wide in (True, False):
+        try:
+            want, n, work = _overlaps(steps, alone, decode=True, wide=wide)
+        except ConfigError:  # none of them met a chunk pass
+            return 1.0
+        if n < MIN_BESIDE_PASSES:
+            return 1.0
+        shares.append(_bisect(partial(_at_full_pace, work), want, SHARE_BOUNDS))
+    return shares[0] / shares[1]
+
+
+def _at_full_pace(work: Callable[[float, float], float], a: float) -> float:
+    """`work` at decode share `a` beside chunk passes at full pace (prefill share 1)."""
+    return work(a, 1.0)
 
 
 def decode_share(steps: pd.DataFrame, alone: Line, prefill_share: float | None = None) -> float:

@@ -77,6 +77,7 @@ from disagg.share import (
     decode_scale,
     decode_scale_at_shape,
     decode_share_shape,
+    decode_share_wide,
     extra_shape,
     extra_wide,
     fit_line,
@@ -588,9 +589,12 @@ def loop_repeat(name: str) -> int | None:
 
 
 WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the cluster
-# share.json's keys: the weights, with a chunk extra or not, the round robin's switch_s, or
-# the turns rule's slice with it
-SHARES = (*WEIGHTS, "chunk_extra_s", "chunk_extra_wide", "switch_s", "turn_slice_s")
+# share.json's keys: the weights, with a chunk extra (and the factors beside wide decode
+# passes) or not, the round robin's switch_s, or the turns rule's slice with it
+SHARES = (
+    *(*WEIGHTS, "chunk_extra_s", "chunk_extra_wide", "decode_share_wide"),
+    *("switch_s", "turn_slice_s"),
+)
 SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) points
 SHARE_SHAPE = "decode_share_shape"  # and the decode share's
 # the turns rule's slice as kernel timelines of both servers on one H200 and one H100 showed
@@ -653,7 +657,8 @@ def share_overrides(fitted: Mapping[str, Any]) -> list[str]:
     if "switch_s" in fitted:
         rule = {"turn_slice_s": None} | dict(fitted)
     else:
-        rule = {"chunk_extra_s": 0.0, "chunk_extra_wide": 1.0, SHAPE: (), SHARE_SHAPE: ()}
+        rule = {"chunk_extra_s": 0.0, "chunk_extra_wide": 1.0, "decode_share_wide": 1.0}
+        rule |= {SHAPE: (), SHARE_SHAPE: ()}
         rule |= dict(fitted)
         rule |= {"switch_s": None, "turn_slice_s": None}
     return [f"cluster.{k}={json.dumps(v)}" for k, v in rule.items()]
@@ -749,6 +754,7 @@ def fit_extra(
     alone_s = decode_alone(steps)
     a, passes_s = shares_at_full_pace(runs[0][1], alone_s, chunk_line(steps))
     weights: dict[str, Any] = {"decode_share": a, "prefill_share": 1.0}
+    weights["decode_share_wide"] = decode_share_wide(runs[0][1], alone_s)
     timed = [
         (load_experiment(d, [*on_profile]), run)
         for d, run in runs
@@ -894,6 +900,9 @@ def said_shares(fitted: Mapping[str, Any]) -> str:
     if fitted.get(SHARE_SHAPE):
         points = ", ".join(f"{f:.2f} at {s * 1e3:.3g} ms" for s, f in fitted[SHARE_SHAPE])
         beside += f"; the decode share times by the chunk's time alone {points}"
+    if fitted.get("decode_share_wide", 1.0) != 1.0:
+        wide = fitted["decode_share_wide"]
+        beside += f", and {wide:.2f} of more than {EXTRA_YIELD_SEQS} sequences"
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f}){beside}"
 
 

@@ -36,6 +36,7 @@ def test_default_cluster_is_unchanged_but_for_the_typed_router_and_gpus_of_its_o
         "chunk_extra_shape": (),
         "chunk_extra_wide": 1.0,
         "decode_share_shape": (),
+        "decode_share_wide": 1.0,
         "switch_s": None,
         "turn_slice_s": None,
     }

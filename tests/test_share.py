@@ -19,6 +19,7 @@ from disagg.share import (
     decode_scale,
     decode_share,
     decode_share_shape,
+    decode_share_wide,
     extra_shape,
     extra_wide,
     overlap_segments,
@@ -273,6 +274,25 @@ def test_the_extra_beside_wide_decodes_is_read_over_the_extra_beside_narrow_ones
     flat = run.assign(device_s=[1.0, 1.0, *[0.010] * 3, *[0.020] * 3, 0.010])
     assert extra_wide([(flat, alone)]) == 1.0
     assert extra_wide([]) == 1.0
+
+
+def test_a_wide_chained_decode_pass_s_share_is_read_over_the_narrow_ones() -> None:
+    """Hand arithmetic. Decode passes take 10 ms alone at 4 and at 17 sequences. Beside one
+    chunk pass throughout at full pace a decode pass's pace is its share a, so 20 chained
+    passes of 4 sequences that took 20 ms each show a = 0.5, and 20 of 17 that took 25 ms
+    each a = 0.4: the factor is 0.8. With 19 wide passes, none beside a chunk, or the same
+    passes unchained (their server waited on its host between them), there is none (1)."""
+    alone = decode_alone(_rows(("c", 0.0, 0.010, 4, 0), ("c", 0.1, 0.010, 17, 0)))
+    n, seqs = MIN_BESIDE_PASSES, EXTRA_YIELD_SEQS + 1
+    narrow = [("d", 0.02 * i, 0.020, 4, 0) for i in range(n)]
+    wide = [("d", 0.02 * n + 0.025 * i, 0.025, seqs, 0) for i in range(n)]
+    unchained = _rows(("p", 0.0, 2.0, 0, 512), *narrow, *wide)
+    run = unchained.assign(chained=(unchained.node == "d").astype(int))
+    assert decode_share_wide(run, alone) == pytest.approx(0.8)
+    assert decode_share_wide(run.iloc[:-1], alone) == 1.0
+    assert decode_share_wide(run.iloc[1:], alone) == 1.0
+    assert decode_share_wide(unchained, alone) == 1.0
+    assert decode_share_wide(unchained.drop(columns="chained"), alone) == 1.0  # an older table
 
 
 def test_the_fit_finds_the_extra_a_simulated_gpu_gave_each_chunk_pass() -> None:

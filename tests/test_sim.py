@@ -322,12 +322,14 @@ def _ends(
     shape: tuple[tuple[float, float], ...] = (),
     share_shape: tuple[tuple[float, float], ...] = (),
     wide: float = 1.0,
+    share_wide: float = 1.0,
 ) -> list[float]:
     """When each (start, seconds alone, decode-only[, decode sequences]) pass ends on a
     SharedGPU (`extra`: its chunk_extra_s, `shape` its chunk_extra_shape, `share_shape` its
-    decode_share_shape, `wide` its chunk_extra_wide)."""
+    decode_share_shape, `wide` its chunk_extra_wide, `share_wide` its decode_share_wide)."""
     env, ends = Clock(), [0.0] * len(passes)
-    gpu = SharedGPU(env, share, prefill, switch_s, 1.0, extra, shape, share_shape, wide)
+    rule = (extra, shape, share_shape, wide, share_wide)
+    gpu = SharedGPU(env, share, prefill, switch_s, 1.0, *rule)
 
     def one(i: int, start: float, seconds: float, decode_only: bool, seqs: int = 1) -> Proc:
         yield start
@@ -455,6 +457,23 @@ def test_a_decode_pass_weighs_the_share_the_chunk_beside_it_gives_on_the_shape()
     assert _ends(decodes, 0.25, 1.0, share_shape=shape) == pytest.approx([3.2e-3, 5.2e-3])
     rr = [(0.0, 6e-3, True), (0.0, 30e-3, False)]
     assert _ends(rr, 0.9, switch_s=4e-3, share_shape=shape) == pytest.approx([40e-3, 40e-3])
+
+
+def test_a_wide_decode_pass_beside_a_chunk_weighs_its_factor_of_the_decode_share() -> None:
+    """Hand arithmetic, decode share 0.25, prefill share 1 (capacity 1.25), 0.5 of the share
+    for a decode pass of more than EXTRA_YIELD_SEQS sequences. A 6 ms decode of 17 beside a
+    30 ms chunk weighs 0.125: it runs at 1.25 x 0.125 / 1.125 = 1/7.2 and has done 30 / 7.2 ms
+    when the chunk ends at 30 ms (at full pace), then its last 6 - 30 / 7.2 alone: 31.83 ms.
+    Of 16 sequences, it weighs 0.25, runs at 0.25 and ends at 24 ms. Beside no chunk the
+    factor is unused: two decodes of 17 and 1 sequences run at 0.625 each."""
+    wide = EXTRA_YIELD_SEQS + 1
+    beside = [(0.0, 6e-3, True, wide), (0.0, 30e-3, False, 0)]
+    ends = _ends(beside, 0.25, 1.0, share_wide=0.5)
+    assert ends == pytest.approx([30e-3 + 6e-3 - 30e-3 / 7.2, 30e-3], abs=1e-12)
+    narrow = [(0.0, 6e-3, True, EXTRA_YIELD_SEQS), (0.0, 30e-3, False, 0)]
+    assert _ends(narrow, 0.25, 1.0, share_wide=0.5) == pytest.approx([24e-3, 30e-3], abs=1e-12)
+    decodes = [(0.0, 2e-3, True, wide), (0.0, 4e-3, True, 1)]
+    assert _ends(decodes, 0.25, 1.0, share_wide=0.5) == pytest.approx([3.2e-3, 5.2e-3])
 
 
 def test_passes_taking_turns_advance_at_their_part_of_all_their_time() -> None:

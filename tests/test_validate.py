@@ -504,17 +504,20 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
     elif rule == "weights":
         assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
-        shapes = ["chunk_extra_shape", "chunk_extra_wide", "decode_share_shape"]
+        shapes = ["decode_share_wide", "chunk_extra_shape", "chunk_extra_wide"]
+        shapes.append("decode_share_shape")
         assert list(fitted) == [*WEIGHTS, *shapes, "chunk_extra_s"]
-        shape, wide, beside = (fitted.pop(name) for name in shapes)
+        share_wide, shape, wide, beside = (fitted.pop(name) for name in shapes)
         assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
         assert fitted["decode_share"] == pytest.approx(0.4, rel=0.01)
         # the same extra at every size, and one decode share beside all: the shapes flat;
-        # no decode pass of this run has more than 16 sequences, so no wide factor (1)
+        # no decode pass of this run has more than 16 sequences, nor was one chained, so no
+        # wide factor of either (1)
         assert all(f == pytest.approx(1.0, abs=0.1) for _, f in shape)
-        assert wide == 1.0
+        assert wide == share_wide == 1.0
         assert all(f == pytest.approx(1.0, abs=0.02) for _, f in beside)
-        fitted |= {"chunk_extra_shape": shape, "chunk_extra_wide": wide}
+        fitted |= {"decode_share_wide": share_wide, "chunk_extra_shape": shape}
+        fitted |= {"chunk_extra_wide": wide}
         fitted |= {"decode_share_shape": beside}
     assert read_shares(cal / "share.json") == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):

@@ -571,6 +571,7 @@ class Sim:
                 c.chunk_extra_shape,
                 c.decode_share_shape,
                 c.chunk_extra_wide,
+                c.decode_share_wide,
             )
         self.colocated = (
             [ColocatedNode(self, i, c.colocated) for i in range(c.colocated.nodes)]

@@ -31,7 +31,11 @@ than alone. Three rules say how much; a pass alone always runs at full speed.
   58-64 ms beside more (docs/calibration.md). With `cluster.decode_share_shape` a decode
   pass's weight follows the time alone of the chunk pass beside it: on one H100 a
   Llama-3.1-8B decode pass ran at 0.62 of its pace alone beside a chunk of 13 ms alone, 0.53
-  beside 26 ms and 0.40 beside 45 ms, in every run (benchmarks/results/2026-12-06f-gpu/)."""
+  beside 26 ms and 0.40 beside 45 ms, in every run (benchmarks/results/2026-12-06f-gpu/).
+  With `cluster.decode_share_wide` a decode pass of more than EXTRA_YIELD_SEQS sequences
+  beside a chunk pass weighs that factor of its share: it yields the GPU once more a pass,
+  and a chained decode server's then waits that much longer beside a chunk (on one H100,
+  Llama-3.1-8B's chained passes beside chunks showed 0.92-0.93: docs/calibration.md)."""
 
 from __future__ import annotations
 
@@ -108,6 +112,7 @@ class SharedGPU(_OneGPU):
         chunk_extra_shape: Sequence[tuple[float, float]] = (),
         decode_share_shape: Sequence[tuple[float, float]] = (),
         chunk_extra_wide: float = 1.0,
+        decode_share_wide: float = 1.0,
     ) -> None:
         super().__init__(env, host_before)
         prefill = 1.0 - decode_share if prefill_share is None else prefill_share
@@ -118,6 +123,7 @@ class SharedGPU(_OneGPU):
         self.extra_shape = _points(chunk_extra_shape)  # none: every pass adds chunk_extra_s
         self.extra_wide = chunk_extra_wide  # its factor beside a wide decode pass (`extra_s`)
         self.share_shape = _points(() if switch_s is not None else decode_share_shape)
+        self.share_wide = decode_share_wide  # a wide decode pass's factor of its weight
         # pass -> [seconds of work left, weight, decode-only, the decode share's factor
         # beside it (`share_factor`), a decode pass's sequences]
         self.running: dict[Signal, list[Any]] = {}
@@ -147,17 +153,21 @@ class SharedGPU(_OneGPU):
         return 1.0 if decode_only else _factor(self.share_shape, seconds)
 
     def paces(self, passes: Sequence[Sequence[Any]]) -> list[float]:
-        """The paces of `passes` ([work left, weight, decode-only, share factor] each) running
-        together. Round robin: each its seconds' part of all theirs plus the turns' cost.
+        """The paces of `passes` ([work left, weight, decode-only, share factor, sequences] each)
+        running together. Round robin: each its seconds' part of all theirs plus the turns' cost.
         Weights: each its weight's part of the capacity, at most 1, where a decode-only pass
-        weighs the decode share times the mean factor of the passes with a chunk beside it,
-        and the capacity is the two shares' sum."""
+        weighs the decode share times the mean factor of the passes with a chunk beside it
+        (and, of more than EXTRA_YIELD_SEQS sequences, `decode_share_wide`), and the capacity
+        is the two shares' sum."""
         if self.switch_s is not None:
             total = sum(p[1] for p in passes)
             return [round_robin(p[1], total, len(passes), self.switch_s) for p in passes]
         chunks = [p[3] for p in passes if not p[2]]
         f = sum(chunks) / len(chunks) if chunks else 1.0
-        weights = [p[1] * f if p[2] else p[1] for p in passes]
+        wide = self.share_wide if chunks else 1.0
+        weights = [
+            p[1] * f * (wide if p[4] > EXTRA_YIELD_SEQS else 1) if p[2] else p[1] for p in passes
+        ]
         total = sum(weights)
         capacity = 1.0 if self.conserved else self.weights[0] * f + self.weights[1]
         return [pace(w, total, capacity) for w in weights]
