@@ -592,8 +592,12 @@ WEIGHTS = ("decode_share", "prefill_share")  # the weights rule's fields of the 
 # share.json's keys: the weights, with a chunk extra (and the factors beside wide decode
 # passes) or not, the round robin's switch_s, or the turns rule's slice with it
 SHARES = (
-    *(*WEIGHTS, "chunk_extra_s", "chunk_extra_wide", "decode_share_wide"),
-    *("switch_s", "turn_slice_s"),
+    *WEIGHTS,
+    "chunk_extra_s",
+    "chunk_extra_wide",
+    "decode_share_wide",
+    "switch_s",
+    "turn_slice_s",
 )
 SHAPE = "chunk_extra_shape"  # and the chunk extra's shape, (seconds, factor) points
 SHARE_SHAPE = "decode_share_shape"  # and the decode share's
@@ -902,7 +906,7 @@ def said_shares(fitted: Mapping[str, Any]) -> str:
         beside += f"; the decode share times by the chunk's time alone {points}"
     if fitted.get("decode_share_wide", 1.0) != 1.0:
         wide = fitted["decode_share_wide"]
-        beside += f", and {wide:.2f} of more than {EXTRA_YIELD_SEQS} sequences"
+        beside += f", and {wide:.2f} for a chained pass of more than {EXTRA_YIELD_SEQS} sequences"
     return f"decode share {a:.3f}, prefill share {b:.3f} (capacity {a + b:.3f}){beside}"
 
 
