@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -159,11 +158,16 @@ def _overlaps(
     return want, len(segments), work
 
 
-def _fit(steps: pd.DataFrame, alone: Line, decode: bool) -> Callable[[float | None], float]:
+def _fit(
+    steps: pd.DataFrame, alone: Line, decode: bool, wide: bool | None = None, least: int = 1
+) -> Callable[[float | None], float]:
     """A fit of one kind's share, decode-only (`decode`) or with a chunk: given the other
     kind's share (None: 1 - the decode share), the share at which that kind's overlapping
-    passes of `steps` did their work alone."""
-    want, _, work = _overlaps(steps, alone, decode)
+    passes of `steps` (with `wide`, as `_overlaps` picks them) did their work alone. A
+    ConfigError where fewer than `least` passes overlap."""
+    want, n, work = _overlaps(steps, alone, decode, wide)
+    if n < least:
+        raise ConfigError(f"{n} passes met a pass of the other kind: fewer than {least} to fit")
 
     def at(other: float | None) -> float:
         def done(x: float) -> float:
@@ -182,21 +186,13 @@ def decode_share_wide(steps: pd.DataFrame, alone: Line) -> float:
     the share of the others. 1 where either has fewer than MIN_BESIDE_PASSES passes: an
     unchained decode server waits on its host between passes, and its wide passes showed no
     such factor (docs/calibration.md, 2026-12-06i)."""
-    shares = []
-    for wide in (True, False):
-        try:
-            want, n, work = _overlaps(steps, alone, decode=True, wide=wide)
-        except ConfigError:  # none of them met a chunk pass
-            return 1.0
-        if n < MIN_BESIDE_PASSES:
-            return 1.0
-        shares.append(_bisect(partial(_at_full_pace, work), want, SHARE_BOUNDS))
-    return shares[0] / shares[1]
-
-
-def _at_full_pace(work: Callable[[float, float], float], a: float) -> float:
-    """`work` at decode share `a` beside chunk passes at full pace (prefill share 1)."""
-    return work(a, 1.0)
+    try:
+        wide, narrow = (
+            _fit(steps, alone, True, picked, MIN_BESIDE_PASSES)(1.0) for picked in (True, False)
+        )
+    except ConfigError:  # too few of them met a chunk pass
+        return 1.0
+    return wide / narrow
 
 
 def decode_share(steps: pd.DataFrame, alone: Line, prefill_share: float | None = None) -> float:

@@ -505,7 +505,7 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
         assert list(fitted.values()) == pytest.approx([0.3, 0.6], rel=0.01)
     else:
         shapes = ["decode_share_wide", "chunk_extra_shape", "chunk_extra_wide"]
-        shapes.append("decode_share_shape")
+        shapes += ["decode_share_shape"]
         assert list(fitted) == [*WEIGHTS, *shapes, "chunk_extra_s"]
         share_wide, shape, wide, beside = (fitted.pop(name) for name in shapes)
         assert list(fitted.values()) == pytest.approx([0.4, 1.0, 0.02], rel=0.1)
@@ -516,9 +516,7 @@ def test_the_replays_get_the_rule_that_replays_the_shared_run_closer(
         assert all(f == pytest.approx(1.0, abs=0.1) for _, f in shape)
         assert wide == share_wide == 1.0
         assert all(f == pytest.approx(1.0, abs=0.02) for _, f in beside)
-        fitted |= {"decode_share_wide": share_wide, "chunk_extra_shape": shape}
-        fitted |= {"chunk_extra_wide": wide}
-        fitted |= {"decode_share_shape": beside}
+        fitted |= dict(zip(shapes, (share_wide, shape, wide, beside), strict=True))
     assert read_shares(cal / "share.json") == fitted
     for rule_dir in ("weights", "chunk-extra", "round-robin", "turns"):
         assert (cal / rule_dir / "disagg-20rps" / "summary.json").exists()
