@@ -317,6 +317,10 @@ class CostConfig(_Frozen):
     profile_host_s: float | None = Field(default=None, ge=0)
     profile_host_chunk_s: float = Field(default=0.0, ge=0)
     profile_host_per_seq_s: float = Field(default=0.0, ge=0)
+    # and where given, a mixed pass's (a chunk beside decodes): fixed plus per decode (none: a
+    # pass with a chunk's, per sequence as a decode pass)
+    profile_host_mixed_s: float | None = Field(default=None, ge=0)
+    profile_host_mixed_per_seq_s: float = Field(default=0.0, ge=0)
     # on a GPU the nodes share in turns (cluster.switch_s): the part of a pass's host time
     # that comes before its device time, the rest after (`disagg validate` measures it where
     # the hw runs say when each forward was launched)

@@ -334,7 +334,10 @@ HOST_FIT_FIELDS = {  # a `[cost]` host field: its column in fidelity.md
     "profile_host_per_seq_s": "per sequence",
     "profile_host_chunk_s": "pass with a chunk",
 }
-CHAIN_FIT_FIELDS = {  # and those of chained passes (hw.latency.chain), where a fit has them
+OPTIONAL_FIT_FIELDS = {  # and those that only some fits have: a mixed pass's own line, and
+    # a chained pass's time beyond its device time (hw.latency.chain)
+    "profile_host_mixed_s": "mixed pass",
+    "profile_host_mixed_per_seq_s": "mixed, per decode",
     "profile_chain_s": "chained pass",
     "profile_chain_per_seq_s": "chained, per sequence",
 }
@@ -343,10 +346,12 @@ CHAIN_FIT_FIELDS = {  # and those of chained passes (hw.latency.chain), where a 
 def host_fits_markdown(fits: Mapping[str, Mapping[str, float]]) -> list[str]:
     """A table of the host time per pass (ms) that each of `fits` (calibration or run: its
     `[cost]` host fields) came to: a decode pass's fixed part, the part per sequence and a
-    pass with a chunk's fixed part; where a fit has them, a chained pass's time beyond its
-    device time, fixed and per sequence."""
-    chained = any(k in fit for fit in fits.values() for k in CHAIN_FIT_FIELDS)
-    fields = HOST_FIT_FIELDS | (CHAIN_FIT_FIELDS if chained else {})
+    pass with a chunk's fixed part; where a fit has them, a mixed pass's own fixed part and
+    part per decode, and a chained pass's time beyond its device time, fixed and per
+    sequence."""
+    fields = HOST_FIT_FIELDS | {
+        k: name for k, name in OPTIONAL_FIT_FIELDS.items() if any(k in fit for fit in fits.values())
+    }
     head = " | ".join(fields.values())
     lines = [f"| host time per pass, ms | {head} |", "|---|" + "---:|" * len(fields)]
     for name, fit in fits.items():

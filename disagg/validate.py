@@ -352,24 +352,28 @@ def busy_passes(steps: pd.DataFrame, alone: bool = False, chained: bool = False)
 
 
 def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False, least: int = 2) -> dict[str, Any]:
-    """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes of
-    all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop time
-    is its wall time less its device time, plus the gap until its node's next pass while the
-    loop had work (`loop_s`; a pass after which it waited is left out): the loop's work
+    """What serving runs' passes cost beyond the device, as `[cost]` fields, over the passes
+    of all `runs` (their steps tables). Where passes have device times (a GPU), a pass's loop
+    time is its wall time less its device time, plus the gap until its node's next pass while
+    the loop had work (`loop_s`; a pass after which it waited is left out): the loop's work
     between passes (arrivals, tokens out) grows with the batch and the load, as its host time
-    does. A least-squares line of it over
-    the decode passes' batch sizes gives the fixed part of a decode pass and the part per
-    sequence (`profile_host_s`, `profile_host_per_seq_s`); a pass with a prompt chunk has its
-    own fixed part, the median of its loop time less the per-sequence part
-    (`profile_host_chunk_s`); and where the runs say when each forward was launched, the median
-    part of a pass's loop time before it (`host_before_s`: `profile_host_before`). Without
-    device times (the CPU), the median gap between passes (`profile_pass_overhead_s`). The
-    chained decode passes (hw.latency.chain) are fitted apart, their loop time a line over
-    their batch (`profile_chain_s`, `profile_chain_per_seq_s`): what the GPU and the host do
-    between two chained passes, outside the passes' device events. With `alone`, over the
-    passes that met no other node's (`busy_passes`), and without a chunk pass among them, no
-    `profile_host_chunk_s`. With fewer than `least` decode passes fitted, the median gap
-    alone, as without device times."""
+    does. A least-squares line of it over the decode passes' batch sizes gives the fixed part
+    of a decode pass and the part per sequence (`profile_host_s`, `profile_host_per_seq_s`);
+    a pass with a prompt chunk has its own fixed part, the median of its loop time less the
+    per- sequence part (`profile_host_chunk_s`). With `least` mixed passes (a chunk beside
+    decodes) or more, a mixed pass has a line of its own over its decodes, fitted over every
+    pass with a chunk (one alone at 0 decodes): the least-squares slope, and the median of
+    their loop time less the slope's part (`profile_host_mixed_s`,
+    `profile_host_mixed_per_seq_s`). Its bookkeeping grows faster with the decodes than a
+    decode pass's (on one H100, 20-29 us a decode against 0-17, 2026-12-07). Where the runs
+    say when each forward was launched, the median part of a pass's loop time before it
+    (`host_before_s`: `profile_host_before`). Without device times (the CPU), the median gap
+    between passes (`profile_pass_overhead_s`). The chained decode passes (hw.latency.chain)
+    are fitted apart, their loop time a line over their batch (`profile_chain_s`,
+    `profile_chain_per_seq_s`): what the GPU and the host do between two chained passes,
+    outside the passes' device events. With `alone`, over the passes that met no other node's
+    (`busy_passes`), and without a chunk pass among them, no `profile_host_chunk_s`. With
+    fewer than `least` decode passes fitted, the median gap alone, as without device times."""
     gaps = pd.concat([pass_gaps(steps) for steps in runs])
     if len(gaps) == 0:
         raise ConfigError("the loop calibration runs ran fewer than two passes")
@@ -389,6 +393,11 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False, least: int = 2
     }
     if alone and not len(chunk):
         del costs["profile_host_chunk_s"]
+    decodes = timed.decode_seqs[~decode].to_numpy(float)  # beside each chunk
+    if (decodes > 0).sum() >= least:  # a mixed pass's own line over its decodes
+        slope = fit_line(decodes, loop[~decode].to_numpy(float))[1]
+        costs["profile_host_mixed_s"] = max(0.0, float((loop[~decode] - slope * decodes).median()))
+        costs["profile_host_mixed_per_seq_s"] = slope
     if "host_before_s" in timed:  # runs that say when each forward was launched
         split = (timed.host_before_s / loop)[timed.host_before_s.notna() & (loop > 0)]
         if len(split):
@@ -406,6 +415,8 @@ HOST_KEYS = (
     "profile_host_s",
     "profile_host_chunk_s",
     "profile_host_per_seq_s",
+    "profile_host_mixed_s",
+    "profile_host_mixed_per_seq_s",
     "profile_host_before",
     "profile_chain_s",
     "profile_chain_per_seq_s",

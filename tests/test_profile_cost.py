@@ -187,6 +187,33 @@ def test_host_time_measured_on_a_run_replaces_the_tables_and_grows_with_the_batc
         ProfileCost(table(tmp_path), run_host=(0.001, -1.0, 0.0))
 
 
+def test_a_mixed_pass_has_its_own_host_line_over_its_decodes_where_given(tmp_path: Path) -> None:
+    """run_host as above, and a mixed pass 2 ms + 0.3 ms a decode: a chunk beside decodes
+    costs that line, a chunk alone 3 ms + 0.1 ms (one sequence) as before, a decode pass the
+    same; from the experiment's [cost] fields too."""
+    own = ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001, 0.002, 0.0003))
+    plain = ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001))
+    assert own.host_s(True, 4) == pytest.approx(0.002 + 4 * 0.0003)
+    assert plain.host_s(True, 4) == pytest.approx(0.003 + 5 * 0.0001)
+    assert own.host_s(True, 0) == plain.host_s(True, 0) == pytest.approx(0.003 + 0.0001)
+    assert own.host_s(False, 8) == plain.host_s(False, 8)
+    assert own.step_time(MIXED_PASS) - plain.step_time(MIXED_PASS) == pytest.approx(
+        0.002 + 0.0003 - (0.003 + 2 * 0.0001)
+    )
+    data = {
+        "model": {"name": "tiny-gqa"},
+        "cluster": {"mode": "colocated", "colocated": {"nodes": 1, "tp": 1}},
+        "cost": {"source": f"profile:{table(tmp_path)}"},
+    }
+    fields = ["profile_host_s=0.001", "profile_host_chunk_s=0.003", "profile_host_per_seq_s=1e-4"]
+    mixed = ["profile_host_mixed_s=0.002", "profile_host_mixed_per_seq_s=3e-4"]
+    exp = build_experiment(data, [f"cost.{f}" for f in [*fields, *mixed]])
+    cost = make_cost_model(exp, exp.cluster.colocated)
+    assert isinstance(cost, ProfileCost) and cost.run_host == own.run_host
+    with pytest.raises(ConfigError, match="give 3 or 5 times"):
+        ProfileCost(table(tmp_path), run_host=(0.001, 0.003, 0.0001, 0.002))
+
+
 def test_the_mixed_offset_interpolates_over_the_chunk_and_the_decodes(tmp_path: Path) -> None:
     """Offsets measured at (2 decodes, 512 tokens) -2 ms, (2, 2048) -4 ms, (8, 512) -1 ms and
     (8, 2048) -3 ms: between them, linear in the chunk, then in the decodes; held beyond."""

@@ -242,6 +242,11 @@ def test_each_runs_own_host_time_replay_stands_beside_the_calibrated_one() -> No
     text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0}, fits)
     assert "| calibration | 0.6 | 0.065 | nan | nan | nan |" in text
     assert "| a | 0.78 | 0.091 | nan | 0.045 | 0.0011 |" in text
+    # and one of a mixed pass's own line, its two columns before the chained pass's
+    fits["calibration"] |= {"profile_host_mixed_s": 1.3e-3, "profile_host_mixed_per_seq_s": 3e-5}
+    text = own_host_markdown(got, {"tpot_s_p50": 3.0, "ttft_s_p90": 5.0}, fits)
+    assert "mixed pass | mixed, per decode | chained pass |" in text
+    assert "| calibration | 0.6 | 0.065 | nan | 1.3 | 0.03 | nan | nan |" in text
 
 
 def test_a_cell_run_more_than_once_is_judged_on_its_median_and_its_spread_is_told() -> None:
@@ -672,6 +677,40 @@ def test_the_control_hop_is_the_median_of_the_runs_idle_hops(tmp_path: Path) -> 
     assert control_hop([tmp_path / "none"]) is None  # no hops table (an older run)
 
 
+def test_loop_costs_fit_a_mixed_pass_its_own_line_over_its_decodes_by_hand() -> None:
+    """Decode passes: host 1 ms + 0.1 ms a sequence; passes with a chunk (alone, and beside
+    2, 4 and 8 decodes) 2 ms + 0.3 ms a decode; each followed by a gap of 0.4 ms. A mixed
+    pass's line: 2.4 ms + 0.3 ms a decode. A pass with a chunk's fixed part is as without
+    it: the median of its loop time less 0.1 ms a sequence (2.3, 2.7, 3.1 and 3.9 ms)."""
+    shapes = [(1, 1), (2, 2), (3, 2), (4, 4), (5, 4), (1, 0), (9, 8), (8, 8), (2, 2)]  # (batch,
+    # decodes): a pass with a chunk where the batch holds more than its decodes
+    host = [2e-3 + 3e-4 * d if b > d else 1e-3 + 1e-4 * b for b, d in shapes]
+    device = [0.01 + 0.001 * k for k in range(len(shapes))]
+    duration = [d + h for d, h in zip(device, host, strict=True)]
+    starts = np.cumsum([0.0, *(d + 4e-4 for d in duration[:-1])])
+    steps = pd.DataFrame(
+        {
+            "node": "colocated0",
+            "start_s": starts,
+            "duration_s": duration,
+            "device_s": device,
+            "batch_size": [b for b, _ in shapes],
+            "decode_seqs": [d for _, d in shapes],
+            "prefill_tokens": [500 * (b - d) for b, d in shapes],
+        }
+    )
+    assert loop_costs([steps]) == {
+        "profile_pass_overhead_s": 0.0,
+        "profile_host_s": pytest.approx(1.4e-3),
+        "profile_host_per_seq_s": pytest.approx(1e-4),
+        "profile_host_chunk_s": pytest.approx(2.9e-3),
+        "profile_host_mixed_s": pytest.approx(2.4e-3),
+        "profile_host_mixed_per_seq_s": pytest.approx(3e-4),
+    }
+    # fewer than `least` mixed passes: a pass with a chunk's fixed part alone
+    assert "profile_host_mixed_s" not in loop_costs([steps], least=4)
+
+
 def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -698,6 +737,7 @@ def test_loop_costs_fit_host_time_and_the_gap_after_each_pass_by_hand(
             "duration_s": duration,
             "device_s": device,
             "batch_size": batch,
+            "decode_seqs": [b - (p > 0) for b, p in zip(batch, prefill, strict=True)],
             "prefill_tokens": prefill,
         }
     )
@@ -757,6 +797,7 @@ def test_loop_costs_fit_the_chained_passes_apart_by_hand() -> None:
             "duration_s": duration,
             "device_s": device,
             "batch_size": batch,
+            "decode_seqs": batch,
             "prefill_tokens": 0,
             "chained": chained,
         }
@@ -787,12 +828,12 @@ def test_own_host_on_a_shared_gpu_fits_the_passes_that_met_no_other_nodes(
         start += wall[-1] + 2e-4  # the next pass 0.2 ms after
     decode = pd.DataFrame(
         {"node": "decode0", "start_s": starts, "duration_s": wall, "device_s": device}
-    ).assign(batch_size=batch, prefill_tokens=0)
+    ).assign(batch_size=batch, decode_seqs=batch, prefill_tokens=0)
     # one prefill pass over the third and fourth decode passes (and the gap between them)
     first, last = starts[2] + 1e-3, starts[3] + wall[3] - 1e-3
     prefill = pd.DataFrame(
         {"node": "prefill0", "start_s": [first], "duration_s": [last - first]}
-    ).assign(device_s=0.9 * (last - first), batch_size=1, prefill_tokens=2048)
+    ).assign(device_s=0.9 * (last - first), batch_size=1, decode_seqs=0, prefill_tokens=2048)
     # the sixth decode pass meets a prefill pass too
     more = prefill.assign(start_s=starts[5] + 1e-3, duration_s=wall[5] - 2e-3)
     steps = pd.concat([decode, prefill, more], ignore_index=True)
@@ -842,6 +883,7 @@ def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fit
                 "duration_s": [d + h for d, h in zip(device, host, strict=True)],
                 "device_s": device,
                 "batch_size": batch_list(batches),
+                "decode_seqs": batch_list(batches),
                 "prefill_tokens": 0,
             }
         )

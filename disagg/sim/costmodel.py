@@ -269,23 +269,25 @@ class ProfileCost:
     barely depends on the shape, and host_s is a difference of two timings (wall minus
     device), noisy point by point, so a curve through it would add noise to every pass and
     bend what extrapolation extends. `run_host` (s per decode pass, s per pass with a prompt
-    chunk, s per sequence), measured on a serving run (`disagg validate` does), replaces those
-    medians: a pass then costs its kind's fixed part + per-sequence x its sequences (decodes,
-    plus one for a prompt chunk) of host time, which grows with the batch as a server's
-    bookkeeping does. On top of that, `pass_overhead_s` (default 0): a fixed cost per pass for
-    the serving loop's time between passes. `chain` (s, and s per sequence; default none):
-    what a chained decode pass (hw.latency.chain) takes beyond its device time, its host time
-    having run during the pass before: the GPU's work outside the passes' device events (the
-    pass before's sampling and the copy of its tokens out, this pass's inputs), on one H100
-    0.043-0.050 ms + 0.001 ms a sequence for Qwen3-30B-A3B (`disagg validate` measures it).
-    `chunk_offsets` ((chunk tokens, s) points, tokens
-    increasing; default none): what a serving run's passes with a prompt chunk took on the
-    device beyond this table's cost of them, interpolated over the tokens the chunk is costed at
-    (`padded_chunk`) and held beyond the ends, added to every pass with a chunk
-    (`disagg validate` measures it: a server's small chunks run longer than the profile's,
-    its large ones shorter). `decode_scale` (default 1) multiplies the device time of every
-    pass's decodes: a disaggregated decode server's passes alone ran 2-3% faster than the
-    profile's at their shape on one H200 (`disagg validate` measures it).
+    chunk, s per sequence[, s per mixed pass, s per decode beside its chunk]), measured on a
+    serving run (`disagg validate` does), replaces those medians: a pass then costs its kind's
+    fixed part + per-sequence x its sequences (decodes, plus one for a prompt chunk) of host
+    time, which grows with the batch as a server's bookkeeping does; where the last two are
+    given, a mixed pass (a chunk beside decodes) costs its own fixed part + per decode instead
+    (on one H100 a mixed pass's grows by 20-29 us a decode, a decode pass's by 0-17). On top
+    of that, `pass_overhead_s` (default 0): a fixed cost per pass for the serving loop's time
+    between passes. `chain` (s, and s per sequence; default none): what a chained decode pass
+    (hw.latency.chain) takes beyond its device time, its host time having run during the pass
+    before: the GPU's work outside the passes' device events (the pass before's sampling and
+    the copy of its tokens out, this pass's inputs), on one H100 0.043-0.050 ms + 0.001 ms a
+    sequence for Qwen3-30B-A3B (`disagg validate` measures it). `chunk_offsets` ((chunk
+    tokens, s) points, tokens increasing; default none): what a serving run's passes with a
+    prompt chunk took on the device beyond this table's cost of them, interpolated over the
+    tokens the chunk is costed at (`padded_chunk`) and held beyond the ends, added to every
+    pass with a chunk (`disagg validate` measures it: a server's small chunks run longer than
+    the profile's, its large ones shorter). `decode_scale` (default 1) multiplies the device
+    time of every pass's decodes: a disaggregated decode server's passes alone ran 2-3% faster
+    than the profile's at their shape on one H200 (`disagg validate` measures it).
     `after_chunk` ((seconds, fraction) points, seconds increasing; default none): how much
     longer than the table a decode-only pass runs on the device by the time from the end of
     its node's last pass with a prompt chunk to its start (`decode_line`'s `since_chunk_s`),
@@ -321,7 +323,7 @@ class ProfileCost:
         path: Path,
         decode_qo: int = 1,
         pass_overhead_s: float = 0.0,
-        run_host: tuple[float, float, float] | None = None,
+        run_host: tuple[float, ...] | None = None,
         chunk_offsets: Sequence[tuple[float, float]] = (),
         decode_scale: float = 1.0,
         graphs: bool = False,
@@ -416,8 +418,12 @@ class ProfileCost:
             by_kind.get("mixed", max(self.prefill_host_s, self.decode_host_s))
         )
         self.pass_overhead_s = pass_overhead_s
-        if run_host is not None and not all(0 <= v < np.inf for v in run_host):
-            raise ConfigError(f"run_host {run_host!r}: give seconds >= 0")
+        if run_host is not None and (
+            len(run_host) not in (3, 5) or not all(0 <= v < np.inf for v in run_host)
+        ):
+            raise ConfigError(f"run_host {run_host!r}: give 3 or 5 times, seconds >= 0")
+        if run_host is not None and len(run_host) == 3:  # a mixed pass as one with a chunk
+            run_host = (*run_host, run_host[1] + run_host[2], run_host[2])
         self.run_host = run_host
         self.chain = chain
         self._chunk_xs, self._chunk_ys = _points(
@@ -508,8 +514,11 @@ class ProfileCost:
         """The part of a pass's step time that is not device time (its host time and
         `pass_overhead_s`): a pass with a prompt chunk (`prefill`) and `decodes` decodes."""
         if self.run_host is not None:
-            decode, chunk, per_seq = self.run_host
-            host = (chunk if prefill else decode) + per_seq * (decodes + prefill)
+            decode, chunk, per_seq, mixed, mixed_per_seq = self.run_host
+            if not prefill:
+                host = decode + per_seq * decodes
+            else:  # a chunk beside decodes (a mixed pass), or alone
+                host = mixed + mixed_per_seq * decodes if decodes else chunk + per_seq
         elif not prefill:
             host = self.decode_host_s
         else:
@@ -637,11 +646,11 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
         path = Path(exp.cost.source.removeprefix("profile:"))
         path = path if path.is_absolute() else Path(exp.base_dir) / path
         c = exp.cost
-        run_host = (
-            None
-            if c.profile_host_s is None
-            else (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
-        )
+        run_host: tuple[float, ...] | None = None
+        if c.profile_host_s is not None:
+            run_host = (c.profile_host_s, c.profile_host_chunk_s, c.profile_host_per_seq_s)
+        if run_host is not None and c.profile_host_mixed_s is not None:
+            run_host = (*run_host, c.profile_host_mixed_s, c.profile_host_mixed_per_seq_s)
         scale = c.profile_decode_scale if role == "decode" else 1.0
         own = role == "decode" and c.profile_decode_graph_scales
         graph_scales = c.profile_decode_graph_scales if own else c.profile_graph_scales
