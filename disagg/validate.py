@@ -360,7 +360,7 @@ def loop_costs(runs: Sequence[pd.DataFrame], alone: bool = False, least: int = 2
     does. A least-squares line of it over the decode passes' batch sizes gives the fixed part
     of a decode pass and the part per sequence (`profile_host_s`, `profile_host_per_seq_s`);
     a pass with a prompt chunk has its own fixed part, the median of its loop time less the
-    per- sequence part (`profile_host_chunk_s`). With `least` mixed passes (a chunk beside
+    per-sequence part (`profile_host_chunk_s`). With `least` mixed passes (a chunk beside
     decodes) or more, a mixed pass has a line of its own over its decodes, fitted over every
     pass with a chunk (one alone at 0 decodes): the least-squares slope, and the median of
     their loop time less the slope's part (`profile_host_mixed_s`,
