@@ -233,6 +233,24 @@ def test_the_mixed_offset_interpolates_over_the_chunk_and_the_decodes(tmp_path: 
     assert c.mixed_offset_s == pytest.approx(-0.0025)  # the median of the four
 
 
+def test_the_mixed_offset_follows_the_decodes_own_time_between_batches(tmp_path: Path) -> None:
+    """An MoE-like decode part: 5, 8, 10 and 11 ms at 1, 2, 4 and 8 sequences (each new one
+    activates experts of its own, then fewer). Beside a 512-token chunk, 1 decode costs its two
+    parts and 8 decodes 6 ms under them. 4 decodes take 5/6 of the decode time's rise from 1 to
+    8, so 5/6 of the offset (-5 ms), not 3/7 of it as by their count."""
+    decode = {1: 0.005, 2: 0.008, 4: 0.010, 8: 0.011}
+    rows = [f"prefill,{n},1,0,{t},0" for n, t, _ in PREFILL]
+    rows += [f"decode,{b},{b},1000,{t},0" for b, t in decode.items()]
+    rows += ["mixed,512,1,1000,0.006,0", f"mixed,512,8,1000,{0.001 + 0.011 - 0.006},0"]
+    path = tmp_path / "moe.csv"
+    path.write_text("\n".join(["kind,tokens,batch,context,duration_s,host_s", *rows]) + "\n")
+    c = ProfileCost(path)
+    assert c.mixed_offset(1, 512) == pytest.approx(0.0)
+    assert c.mixed_offset(4, 512) == pytest.approx(-0.005)
+    assert c.mixed_offset(2, 512) == pytest.approx(-0.003)  # 3/6 of the rise
+    assert c.mixed_offset(16, 512) == pytest.approx(-0.006)  # held beyond
+
+
 def test_chunk_offsets_are_interpolated_over_the_chunk_and_held_beyond(tmp_path: Path) -> None:
     """(100 tokens, +10 ms), (1000 tokens, -2 ms): +4 ms halfway, the ends held beyond."""
     c = ProfileCost(table(tmp_path), chunk_offsets=[(100, 0.01), (1000, -0.002)])

@@ -253,8 +253,14 @@ class ProfileCost:
     the last segment, and `extrapolated` counts those passes. A mixed pass costs its prefill
     and decode parts plus an offset: what the measured mixed passes took beyond their two parts
     (negative: the fixed costs they share), the median at each (decodes, chunk) measured,
-    interpolated linearly over the chunk and then over the decodes and held beyond them
-    (`mixed_offset`; `mixed_offset_s` is the median of all), 0 without mixed rows. Where a
+    interpolated linearly over the chunk, then between the measured decode batches by the
+    decodes' own device time (eager, at no context; by their count where it does not grow),
+    and held beyond them (`mixed_offset`; `mixed_offset_s` is the median of all), 0 without
+    mixed rows. The offset is mostly the decodes' weights, which the chunk reads anyway: an
+    MoE model's decode time rises steeply with its first sequences, each activating experts
+    of its own, and then saturates, and so does the part its chunk already paid for (on one
+    H100, with the offset linear in the decodes between 11 and 120, the profile costed
+    Qwen3-30B-A3B's passes beside 20-60 decodes 4-13% over what they ran; 2026-12-07b). Where a
     (decodes, chunk) was measured at more than one decode context, the offset also grows with
     the decodes' context in all, at `mixed_context_s` per token (the median of those shapes'
     slopes; the offsets are then taken at no context): a mixed pass's attention runs its
@@ -487,7 +493,20 @@ class ProfileCost:
         if not self._offset_rows:
             return 0.0
         at = [np.interp(tokens, xs, ys) for xs, ys in self._offset_rows]
-        return float(np.interp(decodes, self._offset_batches, at))
+        return float(np.interp(self._among_batches(decodes), range(len(at)), at))
+
+    def _among_batches(self, decodes: int) -> float:
+        """Where `decodes` falls among the mixed rows' decode batches, as a fractional index,
+        held at the ends: by the decodes' own device time (eager, at no context) between the
+        two batches around it, or by their count where that time does not grow between them."""
+        batches = self._offset_batches
+        i = int(np.searchsorted(batches, decodes, side="right")) - 1
+        if i < 0 or i == len(batches) - 1:
+            return float(max(i, 0))
+        lo, hi = batches[i], batches[i + 1]
+        t_lo, t_hi, t = (self._decode_time(int(b), 0.0) for b in (lo, hi, decodes))
+        share = (t - t_lo) / (t_hi - t_lo) if t_hi > t_lo else (decodes - lo) / (hi - lo)
+        return i + min(max(share, 0.0), 1.0)
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         per_ctx = [_interp(tokens, xs, ys) for xs, ys in self._prefill_curves]
