@@ -1368,7 +1368,8 @@ def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch(
     1, 2, 4, 8, ... up to the batch limit (16) besides its log grid (1, 4, 16 at 3 points; 1,
     3, 6, 16 at 4). An MoE pass's time follows the experts its rows pick, padding rows too, so
     an MoE model's axis has every batch up to MOE_EVERY_BATCH as well. The mixed passes, which
-    run eagerly, keep the log grid's batches."""
+    run eagerly, keep the log grid's batches, and an MoE model's the powers of two between its
+    second point and the last (8 between 4 and 16)."""
     import disagg.validate_plan
 
     dense = load_experiment(TINY, ["workload.num_requests=40"])
@@ -1376,8 +1377,8 @@ def test_decode_passes_are_profiled_at_every_power_of_two_of_the_batch(
     assert moe.model.spec.is_moe and not dense.model.spec.is_moe
     assert profile_grid([dense], 3).decode_batch == (1, 2, 4, 8, 16)
     assert profile_grid([moe], 3).decode_batch == tuple(range(1, 17))
-    for exp in (dense, moe):
-        assert {b for _, b, _ in profile_grid([exp], 3).mixed} == {1, 4, 16}
+    assert {b for _, b, _ in profile_grid([dense], 3).mixed} == {1, 4, 16}
+    assert {b for _, b, _ in profile_grid([moe], 3).mixed} == {1, 4, 8, 16}
     assert profile_grid([dense], 4).decode_batch == (1, 2, 3, 4, 6, 8, 16)
     monkeypatch.setattr(disagg.validate_plan, "MOE_EVERY_BATCH", 5)
     assert profile_grid([moe], 3).decode_batch == (1, 2, 3, 4, 5, 8, 16)
