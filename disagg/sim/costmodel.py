@@ -260,7 +260,7 @@ class ProfileCost:
     MoE model's decode time rises steeply with its first sequences, each activating experts
     of its own, and then saturates, and so does the part its chunk already paid for (on one
     H100, with the offset linear in the decodes between 11 and 120, the profile costed
-    Qwen3-30B-A3B's passes beside 20-60 decodes 4-13% over what they ran; 2026-12-07b). Where a
+    Qwen3-30B-A3B's passes beside 20-60 decodes 4-13% over what they ran; 2026-12-07c). Where a
     (decodes, chunk) was measured at more than one decode context, the offset also grows with
     the decodes' context in all, at `mixed_context_s` per token (the median of those shapes'
     slopes; the offsets are then taken at no context): a mixed pass's attention runs its
