@@ -1,6 +1,6 @@
 """A pass with a chunk: its loop time on each colocated server process, against the line the
-validate's loop calibration runs fit (`loop_costs`: the mixed pass's fixed part plus its part
-per decode beside the chunk).
+validate's loop calibration runs fit (`repeat_loop_costs`, as `disagg validate` fits it: the
+mixed pass's fixed part plus its part per decode beside the chunk).
 
     python benchmarks/results/2026-12-07b-gpu/chunk_host.py VALIDATE_DIR...
 
@@ -14,22 +14,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from disagg.validate import busy_passes, loop_costs
-
-RUNS = ("hw", "hw-", "cal")  # the hardware's runs (hw, hw-2, ...) and the calibration runs
+from disagg.validate import busy_passes, by_repeat, calibration_runs, repeat_loop_costs
 
 
 def process_rows(validate: Path) -> pd.DataFrame:
-    dirs = sorted(validate.glob("*/*rps*"))
-    runs = {p: pd.read_parquet(p / "steps.parquet") for p in dirs if p.parent.name[:3] in RUNS}
-    colocated = {p: steps for p, steps in runs.items() if "disagg" not in p.name}
-    costs = loop_costs([s for p, s in colocated.items() if p.parent.name == "calibration"])
+    calibration = calibration_runs(validate / "calibration")[1]  # its colocated runs
+    costs = repeat_loop_costs(by_repeat(calibration))
+    fixed, per_decode = costs["profile_host_mixed_s"], costs["profile_host_mixed_per_seq_s"]
     rows = []
-    for path, steps in colocated.items():
-        passes = busy_passes(steps)
+    for path in [*sorted(validate.glob("hw*/colocated-*")), *calibration]:
+        passes = busy_passes(pd.read_parquet(path / "steps.parquet"))
         chunk = passes[passes.prefill_tokens > 0]
-        per_decode = costs["profile_host_mixed_per_seq_s"]
-        line = costs["profile_host_mixed_s"] + per_decode * chunk.decode_seqs
+        line = fixed + per_decode * chunk.decode_seqs
         rows.append(
             {
                 "validate": validate.parent.name,
