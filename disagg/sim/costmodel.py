@@ -405,6 +405,7 @@ class ProfileCost:
         offsets = beyond.groupby(level=[0, 1]).median()
         batches = sorted({b for b, _ in offsets.index})
         self._offset_batches = np.array(batches, float)
+        self._offset_times = [self._decode_time(int(b), 0.0) for b in batches]  # eager, no context
         self._offset_rows = [
             (row.index.to_numpy(float), row.to_numpy(float))
             for row in (offsets.loc[b] for b in batches)
@@ -504,8 +505,10 @@ class ProfileCost:
         if i < 0 or i == len(batches) - 1:
             return float(max(i, 0))
         lo, hi = batches[i], batches[i + 1]
-        t_lo, t_hi, t = (self._decode_time(int(b), 0.0) for b in (lo, hi, decodes))
-        share = (t - t_lo) / (t_hi - t_lo) if t_hi > t_lo else (decodes - lo) / (hi - lo)
+        t_lo, t_hi = self._offset_times[i : i + 2]
+        t = self._decode_time(decodes, 0.0)
+        rises = t_hi - t_lo > 1e-9 * t_hi  # beyond the lines' rounding
+        share = (t - t_lo) / (t_hi - t_lo) if rises else (decodes - lo) / (hi - lo)
         return i + min(max(share, 0.0), 1.0)
 
     def _prefill_time(self, tokens: int, context: float) -> float:
@@ -677,15 +680,15 @@ def make_cost_model(exp: Experiment, group: GroupConfig, role: str = "") -> Cost
         return ProfileCost(
             path,
             qo,
-            c.profile_pass_overhead_s,
-            run_host,
-            c.profile_chunk_offsets,
-            scale,
-            graphs,
-            exp.hw.latency.prefill_graphs,
-            c.profile_after_chunk,
-            graph_scales,
-            (c.profile_chain_s, c.profile_chain_per_seq_s),
+            pass_overhead_s=c.profile_pass_overhead_s,
+            run_host=run_host,
+            chunk_offsets=c.profile_chunk_offsets,
+            decode_scale=scale,
+            graphs=graphs,
+            pieces=exp.hw.latency.prefill_graphs,
+            after_chunk=c.profile_after_chunk,
+            graph_scales=graph_scales,
+            chain=(c.profile_chain_s, c.profile_chain_per_seq_s),
         )
     return RooflineCost(
         exp.model.spec,
