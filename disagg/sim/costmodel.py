@@ -499,7 +499,9 @@ class ProfileCost:
     def _among_batches(self, decodes: int) -> float:
         """Where `decodes` falls among the mixed rows' decode batches, as a fractional index,
         held at the ends: by the decodes' own device time (eager, at no context) between the
-        two batches around it, or by their count where that time does not grow between them."""
+        two batches around it, or by their count where that time does not grow between them.
+        That time does not fall as decodes are added (`_device_line` takes the intercepts'
+        running maximum), so the share lies between 0 and 1."""
         batches = self._offset_batches
         i = int(np.searchsorted(batches, decodes, side="right")) - 1
         if i < 0 or i == len(batches) - 1:
@@ -509,7 +511,7 @@ class ProfileCost:
         t = self._decode_time(decodes, 0.0)
         rises = t_hi - t_lo > 1e-9 * t_hi  # beyond the lines' rounding
         share = (t - t_lo) / (t_hi - t_lo) if rises else (decodes - lo) / (hi - lo)
-        return i + min(max(share, 0.0), 1.0)
+        return i + share
 
     def _prefill_time(self, tokens: int, context: float) -> float:
         per_ctx = [_interp(tokens, xs, ys) for xs, ys in self._prefill_curves]
