@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from disagg.core.metrics import ttft_parts
 from disagg.errors import ConfigError
 
 # the tolerance's name for a metric -> its summary key, in the report's order
@@ -418,6 +419,43 @@ def beyond_markdown(beyond: Mapping[str, tuple[int, int]]) -> str:
     )
 
 
+PARTS = {"queue": "queue", "prefill": "prefill", "handoff": "handoff", "first": "first token"}
+
+
+def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> str:
+    """fidelity.md's section on where TTFT goes: each run's mean TTFT and its parts
+    (`ttft_parts`), in ms, the hardware's (`hw`) against the profile replay's (`sim_profile`);
+    a part that is 0 in both (colocated: the handoff and the first token) shows as -."""
+
+    def cell(hw: float, sim: float) -> str:
+        return "-" if hw == sim == 0 else f"{hw * 1e3:.1f} / {sim * 1e3:.1f}"
+
+    rows = []
+    for run, sides in requests.items():
+        if "hw" not in sides or "sim_profile" not in sides:
+            continue
+        hw, sim = ttft_parts(sides["hw"]).mean(), ttft_parts(sides["sim_profile"]).mean()
+        cells = [cell(hw.sum(), sim.sum()), *(cell(hw[k], sim[k]) for k in PARTS)]
+        rows.append(f"| {run} | {' | '.join(cells)} |")
+    return "\n".join(
+        [
+            "## Where TTFT goes",
+            "",
+            "Each run's mean TTFT in its parts, ms, the hardware's / the profile replay's: the "
+            "queue (arrival to the first prefill pass), the prefill (to the last pass's end), "
+            "the handoff (to the KV ready at the decoder) and the first token (ready to the "
+            "first token). The parts sum to the TTFT; the one furthest apart is where a TTFT "
+            "miss comes from. Near saturation the queue moves several times the prefill's "
+            "error (docs/calibration.md, 2026-12-07f).",
+            "",
+            f"| run | TTFT | {' | '.join(PARTS.values())} |",
+            "|---|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+
+
 def write_report(
     table: pd.DataFrame,
     tolerances: Mapping[str, float],
@@ -427,8 +465,10 @@ def write_report(
     own_host: pd.DataFrame | None = None,
     host_fits: Mapping[str, Mapping[str, float]] | None = None,
     beyond: Mapping[str, tuple[int, int]] | None = None,
+    requests: Mapping[str, Mapping[str, pd.DataFrame]] | None = None,
 ) -> list[Verdict]:
-    """Write out/fidelity.csv and out/fidelity.md, with `repeats` (`repeat_table`) where there
+    """Write out/fidelity.csv and out/fidelity.md, with where TTFT goes in each run of
+    `requests` (`ttft_parts_markdown`) where given, `repeats` (`repeat_table`) where there
     are any, also as out/repeat.csv, `spread` (`spread_table`) where there is any, also as
     out/hw_spread.csv, `own_host` (`own_host_table`) where there is any, also as
     out/own_host.csv, beside the host times fitted (`host_fits`), and the passes beyond the
@@ -437,6 +477,8 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "fidelity.csv", index=False)
     text = markdown(table, verdicts, spread)
+    if requests:
+        text += "\n" + ttft_parts_markdown(requests)
     (out / "repeat.csv").unlink(missing_ok=True)  # an earlier report's
     if repeats is not None and len(repeats):
         repeats.to_csv(out / "repeat.csv", index=False)

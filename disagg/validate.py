@@ -1140,7 +1140,9 @@ def replay_all(
             summary, _ = replay(hw / label, on_own, out / "sim-own-host" / label)
             own[label] = {"hw": summaries[label]["hw"], "sim_profile": summary}
     own_table = own_host_table(table, fidelity_table(own)) if own else None
-    verdicts = write_report(table, tolerances, out, repeats, spread, own_table, fits, beyond)
+    verdicts = write_report(
+        table, tolerances, out, repeats, spread, own_table, fits, beyond, requests
+    )
     report = Report(table, verdicts)
     tables, shaped = {}, {}
     for label in labels:

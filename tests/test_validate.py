@@ -16,6 +16,7 @@ import pytest
 
 from disagg import validate
 from disagg.config import load_experiment
+from disagg.core.metrics import ttft_parts
 from disagg.errors import ConfigError
 from disagg.fidelity import (
     COLUMNS,
@@ -35,6 +36,7 @@ from disagg.fidelity import (
     repeat_table,
     spread_markdown,
     spread_table,
+    ttft_parts_markdown,
     widest_spreads,
 )
 from disagg.validate import (
@@ -166,6 +168,46 @@ def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
     assert "0 of 2 cells met." in text
     assert "| a | ttft_s_p90 | 0.75 | 25 | 10 | **no** | - |" in text
     assert "None given" in markdown(table, [])
+
+
+def requests_table(rows: list[tuple[float, ...]], failed: int = 0) -> pd.DataFrame:
+    """Requests (arrival, prefill start, prefill end, ready, first token), finished, and
+    `failed` more with NaN times."""
+    cols = ["arrival_s", "prefill_start_s", "prefill_end_s", "ready_s", "first_token_s"]
+    df = pd.DataFrame(rows + [(0.0, *[math.nan] * 4)] * failed, columns=cols)
+    df["status"] = ["finished"] * len(rows) + ["failed"] * failed
+    df["ttft_s"] = df.first_token_s - df.arrival_s
+    return df.rename_axis("request_id").reset_index()
+
+
+def test_where_ttft_goes_splits_each_runs_mean_ttft_into_parts_that_sum_to_it() -> None:
+    """Disaggregated: queued 0.1 s and 0.3 s, prefilled 0.3 s and 0.1 s, KV ready 0.01 s and
+    0.03 s after, first token 0.04 s and 0.02 s later; a failed request counts in no part.
+    Colocated (no ready time: the prefill's last pass gives the first token): queued 0.02 s,
+    prefilled 0.05 s; its handoff and first token are 0 in both and show as -."""
+    hw = requests_table([(1.0, 1.1, 1.4, 1.41, 1.45), (2.0, 2.3, 2.4, 2.43, 2.45)], failed=1)
+    sim = requests_table([(1.0, 1.1, 1.3, 1.30, 1.35), (2.0, 2.2, 2.4, 2.41, 2.45)])
+    parts = ttft_parts(hw)
+    assert list(parts.index) == [0, 1]
+    assert parts.to_numpy() == pytest.approx(
+        np.array([[0.1, 0.3, 0.01, 0.04], [0.3, 0.1, 0.03, 0.02]])
+    )
+    assert parts.sum(axis=1).to_numpy() == pytest.approx(hw.ttft_s[:2].to_numpy())
+    colocated = requests_table([(0.0, 0.02, 0.07, math.nan, 0.07)])
+    text = ttft_parts_markdown(
+        {
+            "disagg": {"hw": hw, "sim_profile": sim},
+            "colocated": {"hw": colocated, "sim_profile": colocated},
+            "hw only": {"hw": hw},
+        }
+    )
+    assert "| run | TTFT | queue | prefill | handoff | first token |" in text
+    assert (
+        "| disagg | 450.0 / 400.0 | 200.0 / 150.0 | 200.0 / 200.0 | 20.0 / 5.0 | 30.0 / 45.0 |"
+        in text
+    )
+    assert "| colocated | 70.0 / 70.0 | 20.0 / 20.0 | 50.0 / 50.0 | - | - |" in text
+    assert "hw only" not in text
 
 
 def test_a_miss_near_the_range_of_its_hw_runs_is_told_apart_from_one_beyond_it() -> None:

@@ -369,6 +369,24 @@ def handoff_parts(requests: pd.DataFrame, hops: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"to_decoder": landed - r.prefill_end_s, "until_taken": r.ready_s - landed})
 
 
+def ttft_parts(requests: pd.DataFrame) -> pd.DataFrame:
+    """Each finished request's TTFT in its parts, in seconds, indexed by request id: the queue
+    (`queue`: arrival to its first prefill pass), the prefill (`prefill`: that pass's start to
+    its last one's end), the handoff (`handoff`: to its KV ready at the decoder; 0 colocated,
+    where the prefill's last pass gives the first token) and the first token (`first`: ready to
+    the first token). They sum to its TTFT."""
+    r = requests[requests.status == "finished"].set_index("request_id")
+    ready = r.ready_s.fillna(r.prefill_end_s)
+    return pd.DataFrame(
+        {
+            "queue": r.prefill_start_s - r.arrival_s,
+            "prefill": r.prefill_end_s - r.prefill_start_s,
+            "handoff": ready - r.prefill_end_s,
+            "first": r.first_token_s - ready,
+        }
+    )
+
+
 def summarize(
     requests: pd.DataFrame,
     steps: pd.DataFrame,
