@@ -424,8 +424,9 @@ PARTS = {"queue": "queue", "prefill": "prefill", "handoff": "handoff", "first": 
 
 def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> str:
     """fidelity.md's section on where TTFT goes: each run's mean TTFT and its parts
-    (`ttft_parts`), in ms, the hardware's (`hw`) against the profile replay's (`sim_profile`);
-    a part that is 0 in both (colocated: the handoff and the first token) shows as -."""
+    (`ttft_parts`), in ms, the hardware's (`hw`: a cell's first run, which its replays
+    replay) against the profile replay's (`sim_profile`); a part that is 0 in both
+    (colocated: the handoff and the first token) shows as -."""
 
     def cell(hw: float, sim: float) -> str:
         return "-" if hw == sim == 0 else f"{hw * 1e3:.1f} / {sim * 1e3:.1f}"
@@ -441,7 +442,8 @@ def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> s
         [
             "## Where TTFT goes",
             "",
-            "Each run's mean TTFT in its parts, ms, the hardware's / the profile replay's: the "
+            "Each run's mean TTFT in its parts, ms, the hardware's (a cell's first run, the "
+            "one replayed) / the profile replay's: the "
             "queue (arrival to the first prefill pass), the prefill (to the last pass's end), "
             "the handoff (to the KV ready at the decoder) and the first token (ready to the "
             "first token). The parts sum to the TTFT; the one furthest apart is where a TTFT "

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pandas as pd
 
+from disagg.core.metrics import ttft_parts
+
 
 def cell(x: pd.Series) -> str:
     p50, p90 = np.percentile(x, [50, 90]) * 1e3
@@ -27,12 +29,6 @@ for run in sys.argv[2:]:
             r = pd.read_parquet(f"{where}/{side}/{run}/requests.parquet")
         except FileNotFoundError:
             continue
-        r = r[r.status == "finished"]
-        parts = {
-            "ttft": r.ttft_s,
-            "queue": r.prefill_start_s - r.arrival_s,
-            "prefill": r.prefill_end_s - r.prefill_start_s,
-            "handoff": r.ready_s - r.prefill_end_s,
-            "first": r.first_token_s - r.ready_s,
-        }
+        parts = ttft_parts(r)
+        parts.insert(0, "ttft", parts.sum(axis=1))
         print(f"{side:12s}", " | ".join(f"{k} {cell(v)}" for k, v in parts.items()))
