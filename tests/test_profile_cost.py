@@ -531,18 +531,24 @@ def test_graph_scales_multiply_a_decode_pass_in_its_graph_by_its_batch(tmp_path:
     assert by_role == {"colocated": pytest.approx(1.15), "decode": pytest.approx(1.15)}
 
 
-def chain_run(tmp_path: Path, chain: bool, chain_cost: tuple[float, float] = (0.0, 0.0)) -> Sim:
+def chain_run(
+    tmp_path: Path,
+    chain: bool,
+    chain_cost: tuple[float, float] = (0.0, 0.0),
+    arrivals: tuple[tuple[float, int], ...] = ((0, 10), (40, 3)),
+) -> Sim:
     """A finished colocated Sim on a profile whose every pass has 1 ms of host time: decode
     passes take 10 ms on the device at any context, a 600-token prompt 1.171875 ms (between
-    512 and 1,024 tokens: 1 and 2 ms). Request 0 (600 + 10 tokens) comes at 0, request 1 (600
-    + 3) at 40 ms, while request 0 decodes alone. `chain_cost`: a chained pass's time beyond
-    its device time, fixed and per sequence (cost.profile_chain_s, _per_seq_s)."""
+    512 and 1,024 tokens: 1 and 2 ms). Its requests' (ms, output tokens), each of 600 prompt
+    tokens: `arrivals`, by default request 0 (600 + 10 tokens) at 0 and request 1 (600 + 3)
+    at 40 ms, while request 0 decodes alone. `chain_cost`: a chained pass's time beyond its
+    device time, fixed and per sequence (cost.profile_chain_s, _per_seq_s)."""
     rows = [f"prefill,{n},1,0,{n / 512e3},0.001" for n in (512, 1024)]
     rows += [f"decode,{b},{b},{c},0.01,0.001" for b in (1, 8) for c in (1000, 3000)]
     profile = tmp_path / "flat.csv"
     profile.write_text("kind,tokens,batch,context,duration_s,host_s\n" + "\n".join(rows))
     trace = tmp_path / "two.jsonl"
-    lines = [{"timestamp": 0, "output_length": 10}, {"timestamp": 40, "output_length": 3}]
+    lines = [{"timestamp": ms, "output_length": n} for ms, n in arrivals]
     trace.write_text("".join(json.dumps({**r, "input_length": 600}) + "\n" for r in lines))
     data = {
         "model": {"name": "tiny-gqa"},
@@ -604,6 +610,24 @@ def test_a_chained_pass_takes_the_chain_cost_beyond_its_device_time(tmp_path: Pa
     assert chained.device_s.to_list() == pytest.approx([0.05, 0.02, 0.01], abs=1e-12)
     base = requests_table(plain.requests.values()).tpot_s[0]
     assert req.tpot_s[0] - base == pytest.approx((5 * 0.6 + 0.7) / 9e3, abs=1e-12)
+
+
+def test_a_newcomer_joins_the_pass_after_the_one_chained_without_it(tmp_path: Path) -> None:
+    """Chained, a request that comes while a pass runs whose loop has launched the next
+    without it joins the pass after that one, as a hw server's loop, hearing it once the
+    pass in flight ends, takes it into the next it launches. So no prompt waits longer than
+    the pass in flight (at most a prompt's pass with decodes: 12.17 ms, `chain_run`), the one
+    chained behind it and the control hop, however long the decodes beside it have left: here
+    24 requests, one every 37 ms, of 2 to 30 tokens, some of them coming during the last pass
+    of a run (a request finishing), whose continuation is launched before they come (before
+    this was so, four waited 28-41 ms for the run after it)."""
+    arrivals = tuple((37 * i, 2 + 7 * i % 29) for i in range(24))
+    sim = chain_run(tmp_path, True, arrivals=arrivals)
+    req = requests_table(sim.requests.values())
+    assert (req.status == "finished").all()
+    waited = req.prefill_start_s - req.arrival_s - sim.control_latency_s
+    assert waited.max() <= 2 * 12.171875e-3
+    assert steps_table(sim.rec).chained.sum() > 0
 
 
 def disagg_chain(profile: Path, chain: bool, shared: bool) -> Sim:

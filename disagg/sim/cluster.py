@@ -133,6 +133,9 @@ class Node(Generic[R]):
         self.inbox_s = math.inf  # when the first event in the inbox came (inf: it is empty)
         self.chain = False  # hw.latency.chain (decode and colocated nodes)
         self.chained: Batch | None = None  # the pass launched behind the one that ran last
+        # events came after the chained pass was launched: it runs alone (a hw server's loop
+        # hears them once it ends, and the pass after it takes them in)
+        self.late = False
 
     # -- events
     def deliver(self, event: Callable[[], None]) -> None:
@@ -209,11 +212,13 @@ class Node(Generic[R]):
             self.in_pass = True
             yield from self.run_pass(batch, chained)
             self.in_pass = False
+            self.late = False
             if self._inbox:
                 inbox, self._inbox = self._inbox, []
                 self.inbox_s = math.inf
                 for event in inbox:
                     self.deliver(event)
+                self.late = self.chained is not None
 
     def busy(self, seconds: float, prefill: bool, decodes: int, chained: bool = False) -> Proc:
         """One pass of `seconds` (`prefill`: with a prompt chunk; `decodes` decode sequences):
@@ -301,12 +306,12 @@ class Node(Generic[R]):
         """Run identical decode passes until one request finishes or the node is woken (then
         up to the end of the pass in flight, and with `ahead` of the pass chained behind it),
         one pass only on a GPU shared with other nodes (its share there changes as theirs begin
-        and end) or while the cost model lengthens a pass for a chunk pass not long before
-        (`fades_s`); returns the passes run, when the first ended, its context, and when the
-        last began. The first pass is `chained` or not; with `ahead` every later one is.
-        Step time is a + b * context (a chained pass's: less its host time, plus the cost
-        model's `chain_s`), and context grows
-        by len(decodes) * tokens_per_step per pass."""
+        and end), while the cost model lengthens a pass for a chunk pass not long before
+        (`fades_s`), or where events came after the first was launched (`late`); returns the
+        passes run, when the first ended, its context, and when the last began. The first pass
+        is `chained` or not; with `ahead` every later one is. Step time is a + b * context (a
+        chained pass's: less its host time, plus the cost model's `chain_s`), and context
+        grows by len(decodes) * tokens_per_step per pass."""
         env = self.env
         since = env._now - self.chunk_end
         a, b = self.cost.decode_line(len(decodes), since)
@@ -326,7 +331,7 @@ class Node(Generic[R]):
         grow = len(decodes) * tokens_per_step
         # k -> the first k passes' time (no cells)
         elapsed = partial(_run_s, a, b, k0, grow, first - a)
-        n = max(1, -int(-least // tokens_per_step))  # steps_to_finish of that request
+        n = 1 if self.late else max(1, -int(-least // tokens_per_step))  # to finish one
         t0, all_s = env._now, elapsed(n)
         yield all_s, self._wake  # the first of the passes' end and a wake
         steps, now = n, env._now
