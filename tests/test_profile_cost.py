@@ -620,7 +620,7 @@ def test_a_newcomer_joins_the_pass_after_the_one_chained_without_it(tmp_path: Pa
     chained behind it and the control hop, however long the decodes beside it have left: here
     24 requests, one every 37 ms, of 2 to 30 tokens, some of them coming during the last pass
     of a run (a request finishing), whose continuation is launched before they come (before
-    this was so, four waited 28-41 ms for the run after it)."""
+    this was so, four waited 26.5-41 ms for the run after it)."""
     arrivals = tuple((37 * i, 2 + 7 * i % 29) for i in range(24))
     sim = chain_run(tmp_path, True, arrivals=arrivals)
     req = requests_table(sim.requests.values())
