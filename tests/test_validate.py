@@ -170,7 +170,7 @@ def test_the_markdown_gives_each_ratio_and_each_verdict() -> None:
     assert "None given" in markdown(table, [])
 
 
-def requests_table(rows: list[tuple[float, ...]], failed: int = 0) -> pd.DataFrame:
+def timed_requests(rows: list[tuple[float, ...]], failed: int = 0) -> pd.DataFrame:
     """Requests (arrival, prefill start, prefill end, ready, first token), finished, and
     `failed` more with NaN times."""
     cols = ["arrival_s", "prefill_start_s", "prefill_end_s", "ready_s", "first_token_s"]
@@ -185,15 +185,15 @@ def test_where_ttft_goes_splits_each_runs_mean_ttft_into_parts_that_sum_to_it() 
     0.03 s after, first token 0.04 s and 0.02 s later; a failed request counts in no part.
     Colocated (no ready time: the prefill's last pass gives the first token): queued 0.02 s,
     prefilled 0.05 s; its handoff and first token are 0 in both and show as -."""
-    hw = requests_table([(1.0, 1.1, 1.4, 1.41, 1.45), (2.0, 2.3, 2.4, 2.43, 2.45)], failed=1)
-    sim = requests_table([(1.0, 1.1, 1.3, 1.30, 1.35), (2.0, 2.2, 2.4, 2.41, 2.45)])
+    hw = timed_requests([(1.0, 1.1, 1.4, 1.41, 1.45), (2.0, 2.3, 2.4, 2.43, 2.45)], failed=1)
+    sim = timed_requests([(1.0, 1.1, 1.3, 1.30, 1.35), (2.0, 2.2, 2.4, 2.41, 2.45)])
     parts = ttft_parts(hw)
     assert list(parts.index) == [0, 1]
     assert parts.to_numpy() == pytest.approx(
         np.array([[0.1, 0.3, 0.01, 0.04], [0.3, 0.1, 0.03, 0.02]])
     )
     assert parts.sum(axis=1).to_numpy() == pytest.approx(hw.ttft_s[:2].to_numpy())
-    colocated = requests_table([(0.0, 0.02, 0.07, math.nan, 0.07)])
+    colocated = timed_requests([(0.0, 0.02, 0.07, math.nan, 0.07)])
     text = ttft_parts_markdown(
         {
             "disagg": {"hw": hw, "sim_profile": sim},

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from disagg.validate import load_experiment
-from disagg.validate_passes import shape_device
+from disagg.validate_passes import shape_device, since_chunk
 
 EDGES_S = [-1, 0.004, 0.015, 0.03, 0.06, 0.12, 0.25, 0.5, 10]
 rows = []
@@ -22,11 +22,9 @@ for where in map(Path, sys.argv[1:]):
         exp = load_experiment(where / "sim-profile" / run, [])
         for side in ("hw", "hw-2"):
             steps = pd.read_parquet(where / side / run / "steps.parquet")
-            chunk = steps.prefill_tokens > 0
-            last_end = (steps.start_s + steps.duration_s).where(chunk).shift().ffill()
-            passes = steps[chunk].assign(
+            passes = steps[steps.prefill_tokens > 0].assign(
                 r=steps.device_s / shape_device(steps, exp),
-                since=steps.start_s - last_end,
+                since=since_chunk(steps),
                 validate=str(where),
                 rate=float(run.removeprefix("colocated-").removesuffix("rps")),
             )
