@@ -14,6 +14,8 @@ from itertools import pairwise
 import numpy as np
 import pandas as pd
 
+from disagg.share import overlap_segments
+
 BINS = [0, 1024, 2048, 3072, 4096]
 
 where, runs = sys.argv[1], sys.argv[2:]
@@ -23,20 +25,17 @@ print("|---|---|" + "---:|" * len(BINS))
 for run in runs:
     for side in ("hw", "sim-profile"):
         steps = pd.read_parquet(f"{where}/{side}/{run}/steps.parquet").sort_values("start_s")
-        chunks = steps[steps.node.str.startswith("prefill")]
-        start = chunks.start_s.to_numpy(float)
-        end = start + chunks.duration_s.to_numpy(float)
-        tokens = chunks.prefill_tokens.to_numpy(int)
-        d = steps[steps.node.str.startswith("decode")].copy()
+        steps = steps.reset_index(drop=True)  # overlap_segments keys passes by position
+        d = steps[steps.prefill_tokens == 0].copy()
         d["per"] = (d.start_s.shift(-1) - d.start_s) / d.steps
-        a = d.start_s.to_numpy(float)
-        b = a + d.duration_s.to_numpy(float)
-        held = [
-            np.clip(np.minimum(y, end) - np.maximum(x, start), 0, None)
-            for x, y in zip(a, b, strict=True)
-        ]
-        d["covered"] = [h.sum() / (y - x) for h, x, y in zip(held, a, b, strict=True)]
-        d["chunk"] = [tokens[np.argmax(h)] for h in held]
+        d["covered"], d["chunk"] = 0.0, 0
+        # each decode pass's pieces: (seconds, decodes, chunks, the chunk's tokens running)
+        for i, (seconds, _, chunks, tokens) in overlap_segments(
+            steps, True, steps.prefill_tokens.to_numpy(float)
+        ).items():
+            by_chunk = pd.Series(seconds).groupby(tokens).sum().drop(0.0, errors="ignore")
+            d.loc[i, "covered"] = seconds[chunks > 0].sum() / seconds.sum()
+            d.loc[i, "chunk"] = int(by_chunk.idxmax())
         alone = d[d.covered == 0].groupby("batch_size").per.median()
         beside = d[(d.covered > 0.9) & d.per.notna()].copy()
         beside["ratio"] = beside.per / np.interp(beside.batch_size, alone.index, alone.to_numpy())
