@@ -37,9 +37,9 @@ def decode_passes(steps: pd.DataFrame) -> pd.DataFrame:
     steps = steps.sort_values("start_s").reset_index(drop=True)  # positions for the segments
     d = steps[steps.prefill_tokens == 0].copy()
     d["time"] = d.duration_s / d.steps
-    d["covered"] = 0.0
-    for i, (seconds, _, chunks) in overlap_segments(on_device(steps)).items():
-        d.loc[i, "covered"] = seconds[chunks > 0].sum() / seconds.sum()
+    segments = overlap_segments(on_device(steps))
+    part = {i: s[chunks > 0].sum() / s.sum() for i, (s, _, chunks) in segments.items()}
+    d["covered"] = pd.Series(part, dtype=float).reindex(d.index, fill_value=0.0)
     alone = d[d.covered == 0].groupby("batch_size").time.median()
     d["ratio"] = d.time / np.interp(d.batch_size, alone.index, alone.to_numpy())
     return d
