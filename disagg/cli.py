@@ -21,6 +21,9 @@ from disagg.errors import ConfigError, DisaggError
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
+    # a command's summary, hard-wrapped in its docstring, rewraps to the terminal in the list
+    # of commands (the rich mode keeps every line break there)
+    rich_markup_mode="markdown",
     help="Disaggregated prefill/decode LLM serving: simulate it, run it, plot it.",
 )
 sim_app = typer.Typer(no_args_is_help=True, help="Discrete-event simulation of a cluster.")

@@ -326,3 +326,12 @@ def test_hw_run_exits_1_when_a_request_failed(
     )
     assert res.exit_code == 1, res.output
     assert "1 of 2 requests failed" in res.output and "1 x decoder died" in res.output
+
+
+def test_the_command_list_joins_each_summary_into_one_paragraph() -> None:
+    """A command's summary is its docstring's first paragraph, hard-wrapped in the source: the
+    list of commands rewraps it to the terminal instead of breaking where the source does."""
+    res = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "transfers per NIC, a flow per request. Open it at" in res.output
+    assert "under SLOs: bisect each configuration's highest rate that keeps up" in res.output
