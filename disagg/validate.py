@@ -20,7 +20,12 @@ Stages, each announced through `say`:
 2. run the hw backend (`run_hw`) on every experiment at every load (fixed seeds): given one
    experiment, it and its other mode (colocated <-> disaggregated), else the ones given; then
    the colocated one under each of `schedulers` (`with_schedulers`); each run `hw_runs` times
-   on its workload, judged on the median (`hw_dirs`);
+   on its workload, judged on the median (`hw_dirs`). The calibration's repeats and the
+   cells' runs take turns: the calibration's first repeat, every cell's first run, the
+   second repeat and the shared GPU's runs, every cell's second run, and so on. A drift in
+   the host's speed over the validate then reaches the calibration and the cells alike (on
+   one H100 the calibration's runs, all first, ran the loop of a mixed pass 1.5 times as
+   slowly as the cells' runs after them, 2026-12-07l);
 3. replay each run as it ran (`Sim(load_experiment(run_dir))`), once with the profile
    (`cost.source=profile:FILE`) and once with the roofline; and, on the profile, each
    calibration run at a validation run's kind and load (`calibration_twins`), for how far a
@@ -103,6 +108,7 @@ from disagg.validate_passes import (
 )
 from disagg.validate_plan import (
     DEFAULT_LOADS,
+    Run,
     capacity_per_s,
     other_mode,
     plan_runs,
@@ -129,7 +135,7 @@ class Options:
     keep what an earlier run in the same directory finished (`validate`); `hw_runs`: times
     each hw run is run (the same seed, fresh servers), judged on their median (`hw_dirs`);
     `calibration_runs`: times each loop calibration run is run, the loop's costs the median
-    of the repeats' fits (`measure_loop`); `schedulers`: colocated scheduler policies each
+    of the repeats' fits (`fit_loop`); `schedulers`: colocated scheduler policies each
     run as well (`with_schedulers`)."""
 
     device: str = "cpu"
@@ -484,32 +490,35 @@ def measure_loop(
     exps: Sequence[Experiment],
     out: Path,
     rates: Sequence[float],
-    runs: int = 1,
+    repeat: int = 1,
     resume: bool = False,
-) -> dict[str, Any]:
-    """The serving loop's costs on this device that a profile of passes leaves out, measured
-    on a colocated server (the experiments' colocated one, else the first in that mode)
-    serving each of `rates` requests/s, each a workload of its own (the experiment's seed +
-    CALIBRATION_SEED + its index), so none of the validation runs calibrates itself: a server's
-    host time per pass follows the load it serves (its scheduler's queues, the messages of
-    arrivals and tokens), which a burst of requests at once does not show, and it varies from
-    run to run by as much as a tenth (on one H200, 0.58-0.92 ms per decode pass at batch 1), so
-    more than one run is pooled. Each load is run `runs` times (fresh servers; `loop_runs`;
-    with `resume`, a run with a summary is kept), and the costs are the median of each
-    repeat's fit (`repeat_loop_costs`): one server process in three has run its host work
-    twice as slowly as the others on the same workload (one H100, 2026-12-05j). Written to
-    `out/calibration.json`; the chunk offsets, which are the simulator's to fit, come from
-    their replays in `replay_all` (`fit_chunk_offsets`)."""
+) -> None:
+    """Repeat `repeat` (1 up) of the runs that measure the serving loop's costs on this device
+    that a profile of passes leaves out (`fit_loop` fits them): a colocated server (the
+    experiments' colocated one, else the first in that mode) serving each of `rates`
+    requests/s, each a workload of its own (the experiment's seed + CALIBRATION_SEED + its
+    index), so none of the validation runs calibrates itself. A server's host time per pass
+    follows the load it serves (its scheduler's queues, the messages of arrivals and tokens),
+    which a burst of requests at once does not show, and it varies from run to run by as much
+    as a tenth (on one H200, 0.58-0.92 ms per decode pass at batch 1), so each load is run more
+    than once (fresh servers; `loop_runs`). With `resume`, a run with a summary is kept."""
     from disagg.hw.driver import run_hw
 
     coloc = next((e for e in exps if e.cluster.mode == "colocated"), None)
     coloc = coloc or other_mode(exps[0])
-    repeats = loop_runs(out, rates, runs)
-    for dirs in repeats:
-        for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
-            if not (resume and (where / "summary.json").exists()):
-                run_hw(calibration_run(coloc, coloc.seed + CALIBRATION_SEED + i, rate), where)
-    costs = repeat_loop_costs(repeats)
+    dirs = loop_runs(out, rates, repeat)[repeat - 1]
+    for i, (rate, where) in enumerate(zip(rates, dirs, strict=True)):
+        if not (resume and (where / "summary.json").exists()):
+            run_hw(calibration_run(coloc, coloc.seed + CALIBRATION_SEED + i, rate), where)
+
+
+def fit_loop(out: Path, rates: Sequence[float], runs: int = 1) -> dict[str, Any]:
+    """The serving loop's costs from `runs` repeats of `measure_loop`'s runs under `out`: the
+    median of each repeat's fit (`repeat_loop_costs`), for one server process in three has run
+    its host work twice as slowly as the others on the same workload (one H100, 2026-12-05j).
+    Written to `out/calibration.json`; the chunk offsets, which are the simulator's to fit,
+    come from their replays in `replay_all` (`fit_chunk_offsets`)."""
+    costs = repeat_loop_costs(loop_runs(out, rates, runs))
     (out / "calibration.json").write_text(json.dumps(costs, indent=2) + "\n")
     return costs
 
@@ -932,8 +941,6 @@ def validate(
     `opts.resume`, `out` holds a validate run of the same options cut short (a device's time
     limit, say): what it finished is kept (the profile, the loop calibration, the shared-GPU
     run, each hw run whose summary was written) and the rest is done."""
-    from disagg.hw.driver import run_hw
-
     exps = prepare(paths, opts)
     spec, csv = exps[0].model.spec, (out / "profile.csv").resolve()
     record_options(out, paths, opts)
@@ -948,34 +955,81 @@ def validate(
     rates = _rates(exps, csv, opts, say)
     ends = sorted({min(rates), max(rates)})
     cal, loads = out / "calibration", " and ".join(f"{rate:g}" for rate in ends)
-    if opts.resume and (cal / "calibration.json").exists():
+    runs = plan_runs(exps, rates)
+    costs_kept = opts.resume and (cal / "calibration.json").exists()
+    rounds = max(opts.calibration_runs, opts.hw_runs)
+    for k in range(1, rounds + 1):  # the calibration's repeats and the cells' runs take turns
+        if k <= opts.calibration_runs and not costs_kept:
+            loop_turn(exps, cal, ends, k, opts, say)
+        if k == min(2, rounds):  # the shared GPU's runs in the middle of the turns
+            measure_shared(exps, cal, ends, opts.resume, say)
+        if k <= opts.hw_runs:
+            for i, run in enumerate(runs, 1):
+                hw_run(run, f"hw run {i}/{len(runs)}: {run.label}", out, k, opts, say)
+    if costs_kept:
         costs, kept = json.loads((cal / "calibration.json").read_text()), ", kept"
     else:
-        costs, kept = measure_loop(exps, cal, ends, opts.calibration_runs, opts.resume), ""
+        costs, kept = fit_loop(cal, ends, opts.calibration_runs), ""
     times = f", {opts.calibration_runs} times each" if opts.calibration_runs > 1 else ""
     say(f"serving loop (runs of their own at {loads} req/s{times}): {described(costs)}{kept}")
-    gpu_runs = f"shared GPU: disaggregated runs of their own at {loads} req/s"
-    if opts.resume and all((d / "summary.json").exists() for _, d in share_runs(cal, ends)):
-        say(f"{gpu_runs}, kept")
-    elif measure_share(exps, cal, ends, opts.resume):
-        say(f"{gpu_runs}, for the replays to fit the shares on")
-    runs = plan_runs(exps, rates)
-    for i, run in enumerate(runs, 1):
-        rate = run.exp.workload.rate_per_s
-        for k, where in enumerate(hw_dirs(out, run.label, opts.hw_runs), 1):
-            again = f", again ({k} of {opts.hw_runs})" if k > 1 else ""
-            name = f"hw run {i}/{len(runs)}: {run.label}"
-            what = f"{name} ({run.exp.cluster.mode}, {rate:g} req/s){again}"
-            if opts.resume and (where / "summary.json").exists():
-                say(f"{what}, kept")
-                continue
-            say(what)
-            shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
-            ran, _ = run_hw(run.exp, where)
-            took = f"{ran['wall_s']:.1f} s, {ran['startup_s']:.1f} s of it to start the servers"
-            say(f"{name}{again} took {took}{start_parts(ran)}")
     (out / "runs.json").write_text(json.dumps([run.label for run in runs]) + "\n")
     return replay_all(out, tolerances, opts.sim_overrides, say)
+
+
+def loop_turn(
+    exps: Sequence[Experiment],
+    cal: Path,
+    ends: Sequence[float],
+    k: int,
+    opts: Options,
+    say: Callable[[str], None],
+) -> None:
+    """`measure_loop`'s `k`-th repeat under `cal` at the loads `ends`, told through `say`; with
+    `opts.resume`, kept where every run of it has a summary."""
+    loads = " and ".join(f"{rate:g}" for rate in ends)
+    said = f"serving loop: runs of their own at {loads} req/s ({k} of {opts.calibration_runs})"
+    if opts.resume and all((d / "summary.json").exists() for d in loop_runs(cal, ends, k)[-1]):
+        say(f"{said}, kept")
+        return
+    say(said)
+    measure_loop(exps, cal, ends, k, opts.resume)
+
+
+def measure_shared(
+    exps: Sequence[Experiment],
+    cal: Path,
+    ends: Sequence[float],
+    resume: bool,
+    say: Callable[[str], None],
+) -> None:
+    """`measure_share`'s runs under `cal` at the loads `ends`, told through `say`."""
+    loads = " and ".join(f"{rate:g}" for rate in ends)
+    said = f"shared GPU: disaggregated runs of their own at {loads} req/s"
+    if resume and all((d / "summary.json").exists() for _, d in share_runs(cal, ends)):
+        say(f"{said}, kept")
+    elif measure_share(exps, cal, ends, resume):
+        say(f"{said}, for the replays to fit the shares on")
+
+
+def hw_run(
+    run: Run, name: str, out: Path, k: int, opts: Options, say: Callable[[str], None]
+) -> None:
+    """The `k`-th run (1 up) of the cell `run` (`plan_runs`) on its workload, into its
+    `hw_dirs` place, told through `say` as `name`; with `opts.resume`, kept where it has a
+    summary."""
+    from disagg.hw.driver import run_hw
+
+    where = hw_dirs(out, run.label, opts.hw_runs)[k - 1]
+    again = f", again ({k} of {opts.hw_runs})" if k > 1 else ""
+    what = f"{name} ({run.exp.cluster.mode}, {run.exp.workload.rate_per_s:g} req/s){again}"
+    if opts.resume and (where / "summary.json").exists():
+        say(f"{what}, kept")
+        return
+    say(what)
+    shutil.rmtree(where, ignore_errors=True)  # what a run cut short left
+    ran, _ = run_hw(run.exp, where)
+    took = f"{ran['wall_s']:.1f} s, {ran['startup_s']:.1f} s of it to start the servers"
+    say(f"{name}{again} took {took}{start_parts(ran)}")
 
 
 def hw_dirs(out: Path, label: str, runs: int | None = None) -> list[Path]:

@@ -1666,7 +1666,9 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
     """--hw-runs 2, one load of three requests: each cell's second run is on the first's
     workload (its seed) under hw-2/, the table's hw value is the two runs' median, and the
     spread between them is in hw_spread.csv and fidelity.md; --resume redoes only a second run
-    cut short. With --calibration-runs 2 the loop calibration's run is run twice."""
+    cut short. With --calibration-runs 2 the loop calibration's run is run twice, and its
+    repeats take turns with the cells' runs: the first, every cell once, the second, every
+    cell again."""
     pytest.importorskip("torch")
     pytest.importorskip("zmq")
     from typer.testing import CliRunner
@@ -1682,6 +1684,17 @@ def test_validate_runs_each_cell_again_on_its_workload_and_judges_the_median(
     for name in ("40rps", "40rps-2"):  # the loop calibration's run and its repeat
         assert (out / "calibration" / name / "summary.json").exists()
     assert "hw run 2/2: colocated-40rps (colocated, 40 req/s), again (2 of 2)" in res.output
+    turns = [
+        "serving loop: runs of their own at 40 req/s (1 of 2)\n",
+        "hw run 1/2: disagg-40rps (disagg, 40 req/s)\n",
+        "hw run 2/2: colocated-40rps (colocated, 40 req/s)\n",
+        "serving loop: runs of their own at 40 req/s (2 of 2)\n",
+        "hw run 1/2: disagg-40rps (disagg, 40 req/s), again (2 of 2)\n",
+        "hw run 2/2: colocated-40rps (colocated, 40 req/s), again (2 of 2)\n",
+        "serving loop (runs of their own at 40 req/s, 2 times each)",
+    ]
+    at = [res.output.index(line) for line in turns]
+    assert at == sorted(at), res.output
     assert "the same run again: hw moves by up to TTFT p50" in res.output
     table = pd.read_csv(out / "fidelity.csv").set_index(["run", "metric"])
     spread = pd.read_csv(out / "hw_spread.csv")
