@@ -954,7 +954,7 @@ def validate(
         say(f"profile: {len(df)} shapes in {time.perf_counter() - start:.1f} s -> {csv}")
     rates = _rates(exps, csv, opts, say)
     ends = sorted({min(rates), max(rates)})
-    cal, loads = out / "calibration", " and ".join(f"{rate:g}" for rate in ends)
+    cal, loads = out / "calibration", said_rates(ends)
     runs = plan_runs(exps, rates)
     costs_kept = opts.resume and (cal / "calibration.json").exists()
     rounds = max(opts.calibration_runs, opts.hw_runs)
@@ -976,6 +976,11 @@ def validate(
     return replay_all(out, tolerances, opts.sim_overrides, say)
 
 
+def said_rates(rates: Sequence[float]) -> str:
+    """Loads in words, for the progress lines: "2.77 and 9.42"."""
+    return " and ".join(f"{rate:g}" for rate in rates)
+
+
 def loop_turn(
     exps: Sequence[Experiment],
     cal: Path,
@@ -986,9 +991,9 @@ def loop_turn(
 ) -> None:
     """`measure_loop`'s `k`-th repeat under `cal` at the loads `ends`, told through `say`; with
     `opts.resume`, kept where every run of it has a summary."""
-    loads = " and ".join(f"{rate:g}" for rate in ends)
-    said = f"serving loop: runs of their own at {loads} req/s ({k} of {opts.calibration_runs})"
-    if opts.resume and all((d / "summary.json").exists() for d in loop_runs(cal, ends, k)[-1]):
+    said = f"serving loop: runs of their own at {said_rates(ends)} req/s"
+    said += f" ({k} of {opts.calibration_runs})"
+    if opts.resume and all((d / "summary.json").exists() for d in loop_runs(cal, ends, k)[k - 1]):
         say(f"{said}, kept")
         return
     say(said)
@@ -1003,8 +1008,7 @@ def measure_shared(
     say: Callable[[str], None],
 ) -> None:
     """`measure_share`'s runs under `cal` at the loads `ends`, told through `say`."""
-    loads = " and ".join(f"{rate:g}" for rate in ends)
-    said = f"shared GPU: disaggregated runs of their own at {loads} req/s"
+    said = f"shared GPU: disaggregated runs of their own at {said_rates(ends)} req/s"
     if resume and all((d / "summary.json").exists() for _, d in share_runs(cal, ends)):
         say(f"{said}, kept")
     elif measure_share(exps, cal, ends, resume):
