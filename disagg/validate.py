@@ -838,21 +838,25 @@ def calibration_shares(
 
 
 def calibration_runs(cal: Path) -> tuple[list[Path], list[Path]]:
-    """A calibration directory's disaggregated runs on one GPU (`measure_share`'s that
-    finished, the highest load first) and its colocated runs (`measure_loop`'s, every
-    repeat)."""
-    shared = [d for d in cal.glob("disagg-*rps") if (d / "summary.json").exists()]
+    """A calibration directory's runs that finished (a summary written): its disaggregated
+    runs on one GPU (`measure_share`'s, the highest load first) and its colocated runs
+    (`measure_loop`'s, every repeat)."""
+    done = [d for d in sorted(cal.glob("*rps*")) if (d / "summary.json").exists()]
+    shared = [d for d in done if d.name.startswith("disagg-")]
     shared.sort(key=lambda d: -float(d.name.removeprefix("disagg-").removesuffix("rps")))
-    alone = [d for d in sorted(cal.glob("*rps*")) if loop_repeat(d.name) is not None]
+    alone = [d for d in done if loop_repeat(d.name) is not None]
     return shared, alone
 
 
 def by_repeat(alone: Sequence[Path]) -> list[list[Path]]:
-    """A calibration's colocated runs (`calibration_runs`) grouped by repeat, in order."""
+    """A calibration's colocated runs (`calibration_runs`) grouped by repeat, in order; a
+    repeat cut short (fewer runs than the others) left out, for its fit would stand on some
+    of the loads only."""
     repeats: dict[int, list[Path]] = {}
     for d in alone:
         repeats.setdefault(loop_repeat(d.name) or 1, []).append(d)
-    return [repeats[k] for k in sorted(repeats)]
+    most = max(map(len, repeats.values()), default=0)
+    return [repeats[k] for k in sorted(repeats) if len(repeats[k]) == most]
 
 
 def calibration_decode_scale(
@@ -1136,7 +1140,8 @@ def replay_all(
         said = f"{hop[0] * 1e3:.3g} ms (the median of {hop[1]} that met no pass)"
         say(f"control plane, on its runs: a request's message takes {said}")
         sim_overrides = [f"transfer.control_latency_s={hop[0]!r}", *sim_overrides]
-    if costs and alone:  # the loop's costs and chunk offsets are the simulator's to fit, anew
+    if alone:  # the loop's costs and chunk offsets are the simulator's to fit, anew (a
+        # validate cut short before its fit has its runs, not its calibration.json)
         costs = repeat_loop_costs(by_repeat(alone))
         say(f"serving loop, on its runs: {described(costs)}")
         costs = fit_chunk_offsets(alone, csv, costs, sim_overrides)

@@ -905,7 +905,8 @@ def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fit
     second repeat's server processes twice as slow on the host: each cost is the median of
     the three repeats' fits, the first's and third's, not a fit pooled over all six runs. The
     calibration's colocated runs are found by repeat (`calibration_runs`, `by_repeat`) among
-    its other directories."""
+    its other directories; a fourth repeat cut short, one run finished and one without its
+    summary, is left out of the repeats."""
     from disagg.validate import (
         by_repeat,
         calibration_runs,
@@ -940,14 +941,18 @@ def test_the_loop_costs_of_repeated_calibration_runs_are_the_median_of_their_fit
         ["2.5rps-2", "10rps-2"],
         ["2.5rps-3", "10rps-3"],
     ]
-    for k, dirs in enumerate(repeats, 1):
+    cut = loop_runs(cal, [2.5, 10.0], 4)[3]
+    for k, dirs in enumerate([*repeats, cut], 1):
         for where, batches in zip(dirs, ([1, 2, 4], [8, 16, 32]), strict=True):
             where.mkdir(parents=True)
             run(batches, 2.0 if k == 2 else 1.0).to_parquet(where / "steps.parquet")
+            if where != cut[1]:
+                (where / "summary.json").write_text("{}")
     for other in ("disagg-10rps", "weights", "round-robin"):
         (cal / other).mkdir()
     _, alone = calibration_runs(cal)
-    assert sorted(d.name for d in alone) == sorted(d.name for dirs in repeats for d in dirs)
+    finished = [*(d for dirs in repeats for d in dirs), cut[0]]
+    assert sorted(d.name for d in alone) == sorted(d.name for d in finished)
     assert by_repeat(alone) == [sorted(dirs) for dirs in repeats]
     assert [loop_repeat(n) for n in ("10rps", "10rps-3", "disagg-10rps", "weights")] == [
         1,
@@ -1602,6 +1607,14 @@ def test_validate_on_this_cpu_writes_the_report_and_exits_by_the_tolerance(
     res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
     assert res.exit_code == 0, res.output
     pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
+    # and so does a validate cut short before the loop's fit: its costs come from its runs
+    fit = (out / "calibration" / "calibration.json").read_text()
+    (out / "calibration" / "calibration.json").unlink()
+    res = CliRunner().invoke(app, ["validate", "--replay", "--out", str(out), "--tolerance", loose])
+    assert res.exit_code == 0, res.output
+    assert "serving loop, on its runs: " in res.output
+    pd.testing.assert_frame_equal(pd.read_csv(out / "fidelity.csv"), table)
+    (out / "calibration" / "calibration.json").write_text(fit)
     # no decode share measured here; one measured on a GPU goes into every replay (which, its
     # servers not sharing one, simulate as before)
     assert not (out / "calibration" / "share.json").exists()
