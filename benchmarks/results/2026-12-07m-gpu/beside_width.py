@@ -5,6 +5,7 @@ sequences of the decode passes their time overlaps, in each run directory given.
 """
 
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pandas as pd
@@ -26,12 +27,13 @@ def chunks_by_width(run: str) -> pd.DataFrame:
     return chunks
 
 
+if len(sys.argv) < 2:
+    sys.exit("usage: python beside_width.py RUN_DIR [RUN_DIR ...]")
 table = {}
 for run in sys.argv[1:]:
     chunks = chunks_by_width(run)
-    bins = pd.cut(chunks.width, BINS)
-    by = chunks.groupby(bins, observed=False).device_s.agg(["count", "median"])
-    cells = zip(by["count"], by["median"], strict=True)
+    by = chunks.groupby(pd.cut(chunks.width, BINS), observed=False).device_s
+    cells = by.agg(["count", "median"]).itertuples(index=False)
     table[run] = [f"{n} / {m * 1e3:.1f}" if n else "-" for n, m in cells]
-    index = [f"{iv.left + 1:g}-{iv.right:g}" for iv in by.index]
+index = [f"{lo + 1}-{hi}" for lo, hi in pairwise(BINS)]
 print(pd.DataFrame(table, index=index).to_markdown())
