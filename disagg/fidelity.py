@@ -422,11 +422,25 @@ def beyond_markdown(beyond: Mapping[str, tuple[int, int]]) -> str:
 PARTS = {"queue": "queue", "prefill": "prefill", "handoff": "handoff", "first": "first token"}
 
 
+def queue_growth(requests: pd.DataFrame) -> float:
+    """The mean queue (`ttft_parts`) of the last quarter of a run's finished requests, by
+    arrival, over the first quarter's: about 1 where the servers keep up, several where the
+    queue grows through the run (past saturation); NaN with fewer than four, or no queue at
+    first."""
+    parts = ttft_parts(requests)
+    arrival = requests.set_index("request_id").arrival_s.loc[parts.index]
+    queue = parts.queue.loc[arrival.sort_values(kind="stable").index].to_numpy()
+    quarter = len(queue) // 4
+    if not quarter or not queue[:quarter].mean() > 0:
+        return math.nan
+    return float(queue[-quarter:].mean() / queue[:quarter].mean())
+
+
 def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> str:
     """fidelity.md's section on where TTFT goes: each run's mean TTFT and its parts
-    (`ttft_parts`), in ms, the hardware's (`hw`: a cell's first run, which its replays
-    replay) against the profile replay's (`sim_profile`); a part that is 0 in both
-    (colocated: the handoff and the first token) shows as -."""
+    (`ttft_parts`), in ms, and its queue's growth (`queue_growth`), the hardware's (`hw`: a
+    cell's first run, which its replays replay) against the profile replay's (`sim_profile`);
+    a part that is 0 in both (colocated: the handoff and the first token) shows as -."""
 
     def cell(hw: float, sim: float) -> str:
         return "-" if hw == sim == 0 else f"{hw * 1e3:.1f} / {sim * 1e3:.1f}"
@@ -437,6 +451,8 @@ def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> s
             continue
         hw, sim = ttft_parts(sides["hw"]).mean(), ttft_parts(sides["sim_profile"]).mean()
         cells = [cell(hw.sum(), sim.sum()), *(cell(hw[k], sim[k]) for k in PARTS)]
+        growth = (queue_growth(sides[side]) for side in ("hw", "sim_profile"))
+        cells.append(" / ".join("-" if math.isnan(g) else f"{g:.2f}" for g in growth))
         rows.append(f"| {run} | {' | '.join(cells)} |")
     return "\n".join(
         [
@@ -448,10 +464,13 @@ def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> s
             "the handoff (to the KV ready at the decoder) and the first token (ready to the "
             "first token). The parts sum to the TTFT; the one furthest apart is where a TTFT "
             "miss comes from. Near saturation the queue moves several times the prefill's "
-            "error (docs/calibration.md, 2026-12-07f).",
+            "error (docs/calibration.md, 2026-12-07f). Its growth is the mean queue of the "
+            "last quarter of the requests to arrive over the first quarter's: a run whose "
+            "queue grows several times is past saturation, and its TTFT says as much how "
+            "long the run lasted as how fast it served (docs/calibration.md, 2026-12-08a).",
             "",
-            f"| run | TTFT | {' | '.join(PARTS.values())} |",
-            "|---|---:|---:|---:|---:|---:|",
+            f"| run | TTFT | {' | '.join(PARTS.values())} | queue growth |",
+            "|---|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
         ]

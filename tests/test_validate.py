@@ -32,6 +32,7 @@ from disagg.fidelity import (
     own_host_table,
     parse_tolerances,
     plot_passes,
+    queue_growth,
     repeat_markdown,
     repeat_table,
     spread_markdown,
@@ -201,13 +202,28 @@ def test_where_ttft_goes_splits_each_runs_mean_ttft_into_parts_that_sum_to_it() 
             "hw only": {"hw": hw},
         }
     )
-    assert "| run | TTFT | queue | prefill | handoff | first token |" in text
+    assert "| run | TTFT | queue | prefill | handoff | first token | queue growth |" in text
     assert (
-        "| disagg | 450.0 / 400.0 | 200.0 / 150.0 | 200.0 / 200.0 | 20.0 / 5.0 | 30.0 / 45.0 |"
-        in text
+        "| disagg | 450.0 / 400.0 | 200.0 / 150.0 | 200.0 / 200.0 | 20.0 / 5.0 | 30.0 / 45.0 "
+        "| - / - |" in text  # too few requests for quarters
     )
-    assert "| colocated | 70.0 / 70.0 | 20.0 / 20.0 | 50.0 / 50.0 | - | - |" in text
+    assert "| colocated | 70.0 / 70.0 | 20.0 / 20.0 | 50.0 / 50.0 | - | - | - / - |" in text
     assert "hw only" not in text
+
+
+def test_queue_growth_is_the_last_quarters_mean_queue_over_the_first_quarters_by_arrival() -> None:
+    """Eight finished requests, listed out of arrival order, queued 10, 20, 30, ... 80 ms in
+    the order they arrived, and a failed one: the first quarter by arrival waited 15 ms on
+    average, the last 75, so the queue grew 5 times; a run that keeps up, 1; one with no
+    queue in its first quarter, or too few requests for quarters, NaN."""
+    order = [3, 0, 7, 5, 1, 6, 2, 4]  # request i arrives order[i]-th
+    rows = [(t, t + 0.01 * (t + 1), t + 0.2, math.nan, t + 0.2) for t in map(float, order)]
+    assert queue_growth(timed_requests(rows, failed=1)) == pytest.approx(5.0)
+    steady = [(t, t + 0.02, t + 0.2, math.nan, t + 0.2) for t in map(float, order)]
+    assert queue_growth(timed_requests(steady)) == pytest.approx(1.0)
+    idle = [(t, t + 0.01 * t, t + 0.2, math.nan, t + 0.2) for t in map(float, order)]
+    assert math.isnan(queue_growth(timed_requests(idle[:5])))  # one request a quarter, none queued
+    assert math.isnan(queue_growth(timed_requests(steady[:3])))
 
 
 def test_a_miss_near_the_range_of_its_hw_runs_is_told_apart_from_one_beyond_it() -> None:
