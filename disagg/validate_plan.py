@@ -232,9 +232,9 @@ def profile_grid(exps: Sequence[Experiment], points: int) -> Grid:
     )
 
 
-def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
-    """Requests/s one colocated server of `exp` keeps up with by the profile, roughly: each
-    request's prefill chunks, plus its share of decode passes at the full batch."""
+def request_seconds(exp: Experiment, profile_csv: Path) -> tuple[float, float]:
+    """One mean request of `exp`'s workload by the profile: its prefill chunks' time alone, and
+    its share of decode passes at the full batch (its output tokens' passes over the batch)."""
     from disagg.core.scheduler import chunk_attn_pairs
     from disagg.sim.costmodel import ProfileCost, StepShape
 
@@ -251,7 +251,14 @@ def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
     batch = min(_group(exp, "decode").max_batch, len(arrivals))
     context = batch * (prompt + output / 2)
     decode_s = cost.step_time(StepShape(decode_seqs=batch, decode_context=context))
-    return 1 / (prefill_s + output * decode_s / batch)
+    return prefill_s, output * decode_s / batch
+
+
+def capacity_per_s(exp: Experiment, profile_csv: Path) -> float:
+    """Requests/s one colocated server of `exp` keeps up with by the profile, roughly: each
+    request's prefill chunks, plus its share of decode passes at the full batch
+    (`request_seconds`)."""
+    return 1 / sum(request_seconds(exp, profile_csv))
 
 
 def plan_runs(exps: Sequence[Experiment], rates: Sequence[float]) -> list[Run]:

@@ -69,6 +69,7 @@ from disagg.validate_plan import (
     other_mode,
     plan_runs,
     profile_grid,
+    request_seconds,
     run_kind,
     with_schedulers,
 )
@@ -1483,7 +1484,9 @@ def test_the_capacity_is_the_requests_one_server_keeps_up_with_by_the_profile(
             'workload.output_tokens={"dist": "fixed", "value": 10}',
         ],
     )
-    assert capacity_per_s(other_mode(exp), csv) == pytest.approx(1 / 0.009, rel=1e-12)
+    colocated = other_mode(exp)
+    assert request_seconds(colocated, csv) == pytest.approx((0.004, 0.005), rel=1e-12)
+    assert capacity_per_s(colocated, csv) == pytest.approx(1 / 0.009, rel=1e-12)
 
 
 def _md_ratios(text: str) -> dict[str, list[tuple[float, float]]]:
