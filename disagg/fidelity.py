@@ -436,6 +436,28 @@ def queue_growth(requests: pd.DataFrame) -> float:
     return float(queue[-quarter:].mean() / queue[:quarter].mean())
 
 
+GROWING = 3.0  # a queue growth (`queue_growth`) from which a run is told past saturation: on
+# the committed validates the runs that kept up grew up to 2.2 times, Llama's disaggregated top
+# load, past saturation, 4.1-5.6 (benchmarks/results/2026-12-08b-cpu)
+
+
+def past_saturation(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> list[str]:
+    """A line for each run whose hardware queue grew GROWING times or more through it
+    (`queue_growth` of its `hw` requests; the profile replay's beside it, where there is one)."""
+    lines = []
+    for run, sides in requests.items():
+        hw = queue_growth(sides["hw"]) if "hw" in sides else math.nan
+        if not hw >= GROWING:
+            continue
+        sim = queue_growth(sides["sim_profile"]) if "sim_profile" in sides else math.nan
+        replay = "" if math.isnan(sim) else f" (the replay's {sim:.2f})"
+        lines.append(
+            f"{run}: past saturation, its queue grew {hw:.2f} times from the first quarter of "
+            f"its requests to the last{replay}: its TTFT says how long the run lasted"
+        )
+    return lines
+
+
 def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> str:
     """fidelity.md's section on where TTFT goes: each run's mean TTFT and its parts
     (`ttft_parts`), in ms, and its queue's growth (`queue_growth`), the hardware's (`hw`: a

@@ -66,6 +66,7 @@ from disagg.fidelity import (
     fidelity_table,
     median_summary,
     own_host_table,
+    past_saturation,
     plot_cdfs,
     plot_passes,
     plot_ratios,
@@ -1180,6 +1181,8 @@ def replay_all(
                 passes = f"{beyond[label][0]} of {beyond[label][1]}"
                 say(f"replay {i}/{len(labels)}: {passes} passes beyond the profiled grid")
     table = fidelity_table(summaries)
+    for line in past_saturation(requests):
+        say(line)
     again: dict[str, dict[str, dict[str, Any]]] = {}
     for label, where in calibration_twins(out, labels):
         say(f"replay: {where.name}, the calibration run at {label}'s mode and load (profile)")

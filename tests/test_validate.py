@@ -31,6 +31,7 @@ from disagg.fidelity import (
     own_host_markdown,
     own_host_table,
     parse_tolerances,
+    past_saturation,
     plot_passes,
     queue_growth,
     repeat_markdown,
@@ -225,6 +226,27 @@ def test_queue_growth_is_the_last_quarters_mean_queue_over_the_first_quarters_by
     idle = [(t, t + 0.01 * t, t + 0.2, math.nan, t + 0.2) for t in map(float, order)]
     assert math.isnan(queue_growth(timed_requests(idle[:5])))  # one request a quarter, none queued
     assert math.isnan(queue_growth(timed_requests(steady[:3])))
+
+
+def test_a_run_whose_hardware_queue_grows_three_times_or_more_is_told_past_saturation() -> None:
+    """The hardware queue grows 5 times (10 to 80 ms by arrival) in runs "a" and "c", the
+    replay's of "a" twice (10 to 20 ms); "b" keeps up (20 ms throughout): "a" and "c" are past
+    saturation, "c" with no replay to set beside it; "b" is not."""
+    times = [float(t) for t in range(8)]
+    growing = timed_requests([(t, t + 0.01 * (t + 1), t + 0.2, math.nan, t + 0.2) for t in times])
+    queues = [0.01, 0.01, 0.015, 0.015, 0.015, 0.015, 0.02, 0.02]
+    twice = timed_requests([(t, t + queues[int(t)], t + 0.2, math.nan, t + 0.2) for t in times])
+    steady = timed_requests([(t, t + 0.02, t + 0.2, math.nan, t + 0.2) for t in times])
+    lines = past_saturation(
+        {
+            "a": {"hw": growing, "sim_profile": twice},
+            "b": {"hw": steady, "sim_profile": growing},
+            "c": {"hw": growing},
+        }
+    )
+    assert [line.split(":")[0] for line in lines] == ["a", "c"]
+    assert "grew 5.00 times" in lines[0] and "(the replay's 2.00)" in lines[0]
+    assert "replay" not in lines[1]
 
 
 def test_a_miss_near_the_range_of_its_hw_runs_is_told_apart_from_one_beyond_it() -> None:
