@@ -427,9 +427,7 @@ def queue_growth(requests: pd.DataFrame) -> float:
     arrival, over the first quarter's: about 1 where the servers keep up, several where the
     queue grows through the run (past saturation); NaN with fewer than four, or no queue at
     first."""
-    parts = ttft_parts(requests)
-    arrival = requests.set_index("request_id").arrival_s.loc[parts.index]
-    queue = parts.queue.loc[arrival.sort_values(kind="stable").index].to_numpy()
+    queue = ttft_parts(requests.sort_values("arrival_s", kind="stable")).queue.to_numpy()
     quarter = len(queue) // 4
     if not quarter or not queue[:quarter].mean() > 0:
         return math.nan
@@ -489,7 +487,7 @@ def ttft_parts_markdown(requests: Mapping[str, Mapping[str, pd.DataFrame]]) -> s
             "error (docs/calibration.md, 2026-12-07f). Its growth is the mean queue of the "
             "last quarter of the requests to arrive over the first quarter's: a run whose "
             "queue grows several times is past saturation, and its TTFT says as much how "
-            "long the run lasted as how fast it served (docs/calibration.md, 2026-12-08a).",
+            "long the run lasted as how fast it served (benchmarks/results/2026-12-08b-cpu).",
             "",
             f"| run | TTFT | {' | '.join(PARTS.values())} | queue growth |",
             "|---|---:|---:|---:|---:|---:|---:|",
